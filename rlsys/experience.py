@@ -1,0 +1,82 @@
+"""The Experience schema (DESIGN.md): one row per sampled response, as a pyarrow table.
+
+Algorithms may add columns; they may not change these. `make_experience` fills the
+optional columns with nulls so every part can rely on the names being present.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+_F32 = pa.list_(pa.float32())
+
+EXPERIENCE_SCHEMA = pa.schema(
+    [
+        ("uid", pa.string()),
+        ("group", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_ids", pa.list_(pa.int32())),
+        ("logprobs", _F32),
+        ("ref_logprobs", _F32),
+        ("values", _F32),
+        ("reward", pa.float32()),
+        ("token_rewards", _F32),
+        ("advantages", _F32),
+        ("returns", _F32),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("policy_version", pa.int64()),
+        ("meta", pa.string()),
+    ]
+)
+
+REQUIRED = ("uid", "group", "prompt_ids", "response_ids", "logprobs", "reward", "policy_version")
+
+
+def new_uid() -> str:
+    return uuid.uuid4().hex
+
+
+def make_experience(rows: Sequence[dict[str, Any]], extra_schema: pa.Schema | None = None) -> pa.Table:
+    """Build a table from dict rows. `meta` may be a dict (stored as json); missing optional
+    columns become null; `loss_mask` defaults to all ones over the response."""
+    fields = list(EXPERIENCE_SCHEMA)
+    if extra_schema is not None:
+        fields += [f for f in extra_schema if f.name not in EXPERIENCE_SCHEMA.names]
+    schema = pa.schema(fields)
+    cols: dict[str, list] = {f.name: [] for f in schema}
+    for i, row in enumerate(rows):
+        for key in REQUIRED:
+            if key not in row:
+                raise ValueError(f"experience row {i} has no '{key}'")
+        for f in schema:
+            v = row.get(f.name)
+            if f.name == "loss_mask" and v is None:
+                v = [1] * len(row["response_ids"])
+            elif f.name == "meta":
+                v = json.dumps(v if v is not None else {}) if not isinstance(v, str) else v
+            cols[f.name].append(v)
+    return pa.table({k: pa.array(v, type=schema.field(k).type) for k, v in cols.items()}, schema=schema)
+
+
+def validate_experience(table: pa.Table) -> None:
+    """Raise ValueError naming the first column that is missing or has the wrong type."""
+    for f in EXPERIENCE_SCHEMA:
+        if f.name not in table.schema.names:
+            raise ValueError(f"experience table lacks column '{f.name}'")
+        got = table.schema.field(f.name).type
+        if got != f.type and not (pa.types.is_null(got)):
+            raise ValueError(f"experience column '{f.name}' has type {got}, expected {f.type}")
+
+
+def concat_experience(tables: Sequence[pa.Table]) -> pa.Table:
+    tables = [t for t in tables if t is not None and t.num_rows]
+    if not tables:
+        return EXPERIENCE_SCHEMA.empty_table()
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def meta_of(table: pa.Table) -> list[dict]:
+    return [json.loads(m) for m in table.column("meta").to_pylist()]
