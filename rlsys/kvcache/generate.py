@@ -4,7 +4,9 @@ Both loops take left-padded `input_ids` / `attention_mask` and return
 `(sequences, logprobs, stats)`: `sequences` (B, P + T) is the prompt followed by the
 generated tokens (`pad_token_id` after a row's EOS), `logprobs` (B, T) the log-probability
 of each generated token under `log_softmax(logits / temperature)` (`temperature = 0`:
-greedy, unscaled logits), 0 after EOS. Sampling is temperature + nucleus (`top_p`).
+greedy, unscaled logits), 0 after EOS. Sampling is temperature, then vocabulary top-k
+(`top_k`, 0 = off), then nucleus (`top_p`), as in transformers' `generate`. `eos_token_id`
+may be one id or several (stop ids).
 """
 from __future__ import annotations
 
@@ -25,17 +27,19 @@ from rlsys.kvcache.cache import (
 )
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
-    """Next tokens (B,) and their log-probabilities (B,) from logits (B, V)."""
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None):
+    """Next tokens (B,) and their log-probabilities (B,) (untruncated, temperature-scaled) from logits (B, V)."""
     logits = logits.float()
     if temperature <= 0:
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     logp = torch.log_softmax(logits / temperature, -1)
     probs = logp.exp()
+    if 0 < top_k < probs.shape[-1]:
+        probs = probs.masked_fill(probs < probs.topk(top_k, dim=-1).values[:, -1:], 0.0)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix with mass >= top_p
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p * sorted_p.sum(-1, keepdim=True)  # keep the smallest prefix with mass >= top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
@@ -46,7 +50,7 @@ class _Outputs:
     """Generated tokens so far; rows stop (and are padded) after their EOS."""
 
     batch: int
-    eos: int | None
+    eos: torch.Tensor  # stop ids (possibly empty)
     pad: int
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -57,8 +61,7 @@ class _Outputs:
     def push(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         self.tokens.append(tokens.masked_fill(self.finished, self.pad))
         self.logprobs.append(logprobs.masked_fill(self.finished, 0.0))
-        if self.eos is not None:
-            self.finished = self.finished | (tokens == self.eos)
+        self.finished = self.finished | torch.isin(tokens, self.eos)
 
     @property
     def done(self) -> bool:
@@ -85,6 +88,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
     valid = attention_mask.bool()
     positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+    eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
     pad = model.config.pad_token_id if pad_token_id is None else pad_token_id
     return valid, positions, valid.sum(-1), _Outputs(input_ids.shape[0], eos, 0 if pad is None else pad)
 
@@ -101,7 +105,8 @@ def specache_generate(
     group_size: int = 32,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    eos_token_id: int | None = None,
+    top_k: int = 0,
+    eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, SpeCacheStats]:
@@ -119,7 +124,7 @@ def specache_generate(
     ones = torch.ones(batch, 2, dtype=torch.bool)
     with cache, attention_implementation(model, ATTENTION_NAME):
         logits = _forward(model, input_ids, valid[:, :0], valid, positions, cache, 1, specache=cache)
-        tokens, logprobs = sample(logits[:, -1], temperature, top_p, generator)
+        tokens, logprobs = sample(logits[:, -1], temperature, top_p, top_k, generator)
         outputs.push(tokens, logprobs)
         if max_new_tokens > 1 and not outputs.done:
             cache.phase = PREDECODE
@@ -131,7 +136,7 @@ def specache_generate(
                 ids = torch.stack([tokens, speculative], 1)
                 pos = torch.stack([next_pos, next_pos + 1], 1) + step - 1
                 logits = _forward(model, ids, slots[:, :length], ones, pos, cache, 2, specache=cache)
-                tokens, logprobs = sample(logits[:, 0], temperature, top_p, generator)
+                tokens, logprobs = sample(logits[:, 0], temperature, top_p, top_k, generator)
                 live = ~outputs.finished
                 cache.stats.spec_tokens += int(live.sum())
                 cache.stats.spec_hits += int(((speculative == tokens) & live).sum())
@@ -153,7 +158,8 @@ def full_cache_generate(
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    eos_token_id: int | None = None,
+    top_k: int = 0,
+    eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, SpeCacheStats]:
@@ -166,7 +172,7 @@ def full_cache_generate(
     logits = _forward(model, input_ids, valid[:, :0], valid, positions, cache, 1)
     one = torch.ones(batch, 1, dtype=torch.bool)
     for step in range(max_new_tokens):
-        tokens, logprobs = sample(logits[:, -1], temperature, top_p, generator)
+        tokens, logprobs = sample(logits[:, -1], temperature, top_p, top_k, generator)
         outputs.push(tokens, logprobs)
         if outputs.done or step == max_new_tokens - 1:
             break
