@@ -1,0 +1,28 @@
+"""Privacy side module: the vocabulary-matching hidden-state inversion attack and Cascade,
+a token-sharded forward pass whose parties each see too few rows for that attack.
+
+- `decoder`: a Llama/Qwen2 forward as pure functions on plain tensors, attention as exactly
+  merged partial blocks (log-sum-exp).
+- `attack`: views (plain, row/entry-permuted, one party's rows) and the attack on them.
+- `cascade`: (c, delta)-sharding and the sharded forward, parties in-process or Ray actors.
+- `cli`: `rlsys privacy attack`.
+"""
+from .attack import AttackConfig, AttackResult, View, permuted_view, plain_view, vocab_matching_attack
+from .cascade import CascadeOutput, attention_pairs, c_delta_shards, cascade_forward
+from .decoder import DecoderWeights, hidden_states, plain_logits
+
+__all__ = [
+    "AttackConfig",
+    "AttackResult",
+    "CascadeOutput",
+    "DecoderWeights",
+    "View",
+    "attention_pairs",
+    "c_delta_shards",
+    "cascade_forward",
+    "hidden_states",
+    "permuted_view",
+    "plain_logits",
+    "plain_view",
+    "vocab_matching_attack",
+]
