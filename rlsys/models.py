@@ -31,13 +31,17 @@ class TinyModelSpec:
     tie_word_embeddings: bool = True
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 1):
-    """Train a byte-level BPE on `texts` and wrap it as a `PreTrainedTokenizerFast`."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 1, split_digits: bool = True):
+    """Train a byte-level BPE on `texts` and wrap it as a `PreTrainedTokenizerFast`.
+    `split_digits` keeps every digit its own token, so numbers are spelled digit by digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) if split_digits else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

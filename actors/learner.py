@@ -1,0 +1,143 @@
+"""DeepSpeed learner: one rank per instance (a Ray actor in real runs, in-process in tests).
+
+The loss is the algorithm's `loss(outputs, batch)`, handed in as an object: the learner
+knows nothing of any particular algorithm. Ranks rendezvous over torch.distributed
+(gloo on CPU) on 127.0.0.1; each rank trains on its shard of the batch and DeepSpeed
+averages gradients.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from actors.modeling import PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy
+
+
+def deepspeed_config(zero_stage: int, grad_clip: float) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # we call the engine on whole minibatches ourselves
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,  # a torch AdamW client optimizer: no JIT build of fused/cpu Adam
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Learner:
+    def __init__(
+        self,
+        model_dir: str,
+        algorithm,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        zero_stage: int = 0,
+        epochs: int = 1,
+        minibatches: int = 1,
+        temperature: float = 1.0,
+        threads: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        master_port: int = 29500,
+        seed: int = 0,
+    ):
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+        )
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        quiet_transformers()
+        import deepspeed
+        from rlsys.models import load_model
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        self.rank, self.world_size = rank, world_size
+        self.algorithm = algorithm
+        self.epochs, self.minibatches = epochs, minibatches
+        self.temperature = temperature
+        self.zero_stage = zero_stage
+        policy = load_model(model_dir)
+        module = PolicyWithValueHead(policy) if algorithm.needs_value_head else PolicyOnly(policy)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=deepspeed_config(zero_stage, grad_clip)
+        )
+        self.steps = 0
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def train_step(self, batch) -> dict[str, float]:
+        """`epochs` passes over `minibatches` shards of this rank's batch, one optimizer
+        step per shard. Returns metrics averaged over the optimizer steps."""
+        from algorithms.base import ModelOutputs  # dataclass only; the algorithm came in as an object
+
+        start = time.perf_counter()
+        sums: dict[str, float] = defaultdict(float)
+        n = 0
+        self.engine.train()
+        for _ in range(self.epochs):
+            for mb in batch.split(self.minibatches):
+                mb = mb.trim()
+                logits, logprobs, values = self.engine(mb.input_ids, mb.attention_mask, self.temperature)
+                loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
+                self.engine.backward(loss)
+                self.engine.step()
+                metrics["loss"] = loss.item()
+                grad_norm = self.engine.get_global_grad_norm()
+                if grad_norm is not None:
+                    metrics["grad_norm"] = float(grad_norm)
+                for k, v in metrics.items():
+                    sums[k] += v
+                n += 1
+        self.steps += 1
+        out = {k: v / max(n, 1) for k, v in sums.items()}
+        out["time/train_rank"] = time.perf_counter() - start
+        out["train_tokens"] = float(batch.num_tokens())
+        return out
+
+    @torch.no_grad()
+    def values(self, table: pa.Table) -> list[list[float]]:
+        """The value head's estimate for each response token's state (PPO)."""
+        self.engine.eval()
+        forward = lambda ids, mask: self.module(ids, mask, self.temperature)[2]
+        return per_response_tokens(forward, table)
+
+    def weights(self) -> dict[str, np.ndarray] | None:
+        """The policy's weights (HF state-dict names) as numpy on rank 0; None on other ranks.
+        Under ZeRO-3 every rank must call this (the parameters are gathered collectively)."""
+        import deepspeed
+
+        policy = self.module.policy
+        if self.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
+                return state_dict_numpy(policy) if self.rank == 0 else None
+        return state_dict_numpy(policy) if self.rank == 0 else None
+
+    def save(self, path: str) -> None:
+        """DeepSpeed checkpoint (model, optimizer, scheduler) under `path`; collective."""
+        self.engine.save_checkpoint(path, tag="learner", save_latest=False)
+
+    def load(self, path: str) -> None:
+        load_path, _ = self.engine.load_checkpoint(path, tag="learner")
+        if load_path is None:
+            raise RuntimeError(f"no learner checkpoint in {path}")
+
+    def export_hf(self, path: str) -> None:
+        """`save_pretrained` of the policy (rank 0)."""
+        if self.rank == 0:
+            self.module.policy.save_pretrained(path, safe_serialization=True)
+
+    def ready(self) -> int:
+        return self.rank

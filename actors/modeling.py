@@ -1,0 +1,111 @@
+"""Forward passes shared by the learner and the reference/reward workers."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+def quiet_transformers() -> None:
+    """No per-load progress bars or advisory warnings inside actors."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def target_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | prefix) from logits[:, t]; shape [B, L-1]."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def forward_logprobs(model, input_ids, attention_mask, temperature: float = 1.0):
+    """Run the causal LM and return (scaled logits [B,L-1,V], target logprobs [B,L-1], hidden [B,L,H])."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    logits = out.logits
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    return logits[:, :-1], target_logprobs(logits, input_ids), out.hidden_states[-1]
+
+
+class PolicyWithValueHead(nn.Module):
+    """A causal LM with a scalar value head on its last hidden state (PPO's critic).
+    V at position t is the value of the state whose next token is input_ids[t+1]."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_head = nn.Linear(policy.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask, temperature: float = 1.0):
+        logits, logprobs, hidden = forward_logprobs(self.policy, input_ids, attention_mask, temperature)
+        values = self.value_head(hidden[:, :-1].float()).squeeze(-1)
+        return logits, logprobs, values
+
+
+class PolicyOnly(nn.Module):
+    """The same call signature as PolicyWithValueHead, without a critic."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids, attention_mask, temperature: float = 1.0):
+        logits, logprobs, _ = forward_logprobs(self.policy, input_ids, attention_mask, temperature)
+        return logits, logprobs, None
+
+
+def state_dict_numpy(module: nn.Module) -> dict[str, np.ndarray]:
+    """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in module.state_dict().items()}
+
+
+def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
+    """Copy numpy weights (possibly read-only object-store views) into the module in place."""
+    own = module.state_dict()
+    missing = set(own) - set(weights)
+    if missing:
+        raise KeyError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # non-writable numpy views are only read
+        for name, tensor in own.items():
+            src = torch.from_numpy(weights[name])
+            if src.shape != tensor.shape:
+                raise ValueError(f"weight {name}: shape {tuple(src.shape)} != {tuple(tensor.shape)}")
+            tensor.copy_(src)
+
+
+def pad_sequences(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if left:
+            ids[i, L - len(s):] = torch.tensor(s)
+            mask[i, L - len(s):] = 1
+        else:
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0) -> list[list[float]]:
+    """Run `forward(input_ids, attention_mask) -> [B, L-1] tensor` over an Experience table in
+    chunks and cut each row's response span out of the result."""
+    from rlsys.batch import collate, response_slices
+
+    out: list[list[float]] = []
+    for start in range(0, table.num_rows, batch_size):
+        chunk = table.slice(start, batch_size)
+        batch = collate(chunk, pad_id)
+        values = forward(batch.input_ids, batch.attention_mask)
+        out += [values[i, s].tolist() for i, s in enumerate(response_slices(chunk))]
+    return out

@@ -1,0 +1,142 @@
+"""Pure functions shared by the policy-gradient algorithms (../shared/papers/ppo-grpo.md).
+
+Every tensor argument named `mask` is 1 on trainable response tokens and 0 elsewhere
+(prompt, environment and padding tokens): masked positions contribute nothing to any
+loss, statistic or gradient.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over positions where mask is 1 (0 when the mask is empty)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over masked positions; masked-out entries come back as 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    out = (x - mean) / torch.sqrt(var + eps) if shift_mean else x / torch.sqrt(var + eps)
+    return out * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95):
+    """Generalised advantage estimation over each row's masked tokens.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = sum_l (gamma*lam)^l delta_{t+l};  R_t = A_t + V_t.
+    Positions with mask 0 are skipped: the next value of the last response token is 0
+    (terminal), and environment tokens in the middle of an episode are stepped over.
+    Shapes [B, T]; returns (advantages, returns), zero where mask is 0.
+    """
+    B, T = rewards.shape
+    adv = torch.zeros_like(rewards)
+    for b in range(B):
+        next_value, running = 0.0, 0.0
+        for t in range(T - 1, -1, -1):
+            if mask[b, t] == 0:
+                continue
+            delta = rewards[b, t] + gamma * next_value - values[b, t]
+            running = delta + gamma * lam * running
+            adv[b, t] = running
+            next_value = values[b, t]
+    returns = (adv + values) * mask
+    return adv * mask, returns
+
+
+def group_ids(groups: Sequence[str]) -> np.ndarray:
+    """Map group labels to dense integer ids in first-seen order."""
+    index: dict[str, int] = {}
+    return np.array([index.setdefault(g, len(index)) for g in groups])
+
+
+def grpo_advantages(rewards: np.ndarray, groups: Sequence[str], std_normalize: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps); Dr.GRPO drops the std."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    ids = group_ids(groups)
+    adv = np.zeros_like(rewards)
+    for g in np.unique(ids):
+        sel = ids == g
+        r = rewards[sel]
+        a = r - r.mean()
+        adv[sel] = a / (r.std() + eps) if std_normalize else a
+    return adv
+
+
+def rloo_advantages(rewards: np.ndarray, groups: Sequence[str]) -> np.ndarray:
+    """RLOO: A_i = r_i - mean_{j != i} r_j within the group (0 for a group of one)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    ids = group_ids(groups)
+    adv = np.zeros_like(rewards)
+    for g in np.unique(ids):
+        sel = ids == g
+        r, k = rewards[sel], int(sel.sum())
+        adv[sel] = 0.0 if k == 1 else r - (r.sum() - r) / (k - 1)
+    return adv
+
+
+def broadcast_to_tokens(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Give every masked token of row i the value per_sequence[i]."""
+    return per_sequence[:, None].to(mask.dtype) * mask
+
+
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float = 0.2):
+    """PPO surrogate: -min(ratio*A, clip(ratio, 1-eps, 1+eps)*A), masked token mean.
+    Returns (loss, clip_fraction, approx_kl)."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    loss = masked_mean(-torch.min(unclipped, clipped), mask)
+    with torch.no_grad():
+        clip_frac = masked_mean((torch.abs(ratio - 1.0) > clip_eps).float(), mask)
+        approx_kl = masked_mean(0.5 * log_ratio**2, mask)
+    return loss, clip_frac, approx_kl
+
+
+def clipped_value_loss(values, old_values, returns, mask, value_clip: float = 0.2):
+    """0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), masked token mean."""
+    clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    loss = torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(loss, mask)
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+def kl_penalised_rewards(reward: torch.Tensor, logprobs, ref_logprobs, mask, kl_coef: float) -> torch.Tensor:
+    """Per-token PPO rewards: -kl_coef * (logp - ref_logp) everywhere, plus the task reward
+    on each row's last masked token."""
+    token_rewards = -kl_coef * (logprobs - ref_logprobs) * mask
+    last = last_token_index(mask)
+    rows = torch.arange(mask.shape[0])
+    token_rewards[rows, last] += reward * (mask.sum(1) > 0).to(reward.dtype)
+    return token_rewards
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last position with mask 1 (0 for an empty row)."""
+    T = mask.shape[1]
+    positions = torch.arange(T, device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, positions, torch.zeros_like(positions)).max(dim=1).values
+
+
+def group_stats(rewards: Sequence[float], groups: Sequence[str]) -> dict[str, float]:
+    """Fraction of groups whose rewards are all equal (no learning signal for GRPO/RLOO)."""
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for r, g in zip(rewards, groups):
+        by_group[g].append(r)
+    flat = sum(1 for v in by_group.values() if max(v) == min(v))
+    return {"groups_without_signal": flat / max(1, len(by_group))}

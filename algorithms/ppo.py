@@ -1,0 +1,64 @@
+"""PPO for language models (Ouyang et al. 2022; ../shared/papers/ppo-grpo.md).
+
+Per-token reward: the task reward on the last response token minus
+kl_coef * (logp - ref_logp) on every token. A value head on the policy estimates V;
+GAE (gamma=1, lambda=0.95) gives advantages, whitened over the batch, and returns = A + V.
+Loss: clipped surrogate (eps 0.2) + vf_coef * clipped value loss (value_clip 0.2).
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+from pydantic import Field
+
+from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, sample_groups, set_token_column
+from algorithms.common import clipped_policy_loss, clipped_value_loss, gae, kl_penalised_rewards, masked_mean, masked_whiten
+from rlsys.batch import TrainBatch, collate
+
+
+class PPOConfig(AlgorithmConfig):
+    samples_per_prompt: int = Field(1, ge=1)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    value_clip: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    kl_coef: float = Field(0.05, ge=0, description="KL penalty folded into the per-token reward")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+
+
+@register("ppo")
+class PPO(StatelessMixin):
+    Config = PPOConfig
+    needs_value_head = True
+
+    def __init__(self, config: PPOConfig | None = None):
+        self.config = config or self.Config()
+
+    def rollout(self, ctx, prompts) -> pa.Table:
+        table = sample_groups(ctx, prompts, self.config.samples_per_prompt, with_ref=True)
+        return set_token_column(table, "values", ctx.values(table))
+
+    def prepare(self, table: pa.Table) -> TrainBatch:
+        c = self.config
+        batch = collate(table)
+        mask = batch.response_mask
+        batch.token_rewards = kl_penalised_rewards(batch.rewards, batch.old_logprobs, batch.ref_logprobs, mask, c.kl_coef)
+        advantages, batch.returns = gae(batch.token_rewards, batch.old_values, mask, c.gamma, c.lam)
+        batch.advantages = masked_whiten(advantages, mask) if c.whiten_advantages else advantages
+        return batch
+
+    def loss(self, outputs: ModelOutputs, batch: TrainBatch):
+        c, mask = self.config, batch.response_mask
+        policy_loss, clip_frac, approx_kl = clipped_policy_loss(
+            outputs.logprobs, batch.old_logprobs, batch.advantages, mask, c.clip_eps
+        )
+        value_loss = clipped_value_loss(outputs.values, batch.old_values, batch.returns, mask, c.value_clip)
+        loss = policy_loss + c.vf_coef * value_loss
+        kl = masked_mean(outputs.logprobs.detach() - batch.ref_logprobs, mask)
+        return loss, {
+            "loss/policy": policy_loss.item(),
+            "loss/value": value_loss.item(),
+            "clip_frac": clip_frac.item(),
+            "approx_kl_old": approx_kl.item(),
+            "kl_ref": kl.item(),
+        }

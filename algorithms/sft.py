@@ -1,0 +1,52 @@
+"""Supervised warm-up: next-token cross-entropy on (prompt, answer) pairs, answer tokens only.
+
+It runs in-process before the RL actors start, so the policy begins RL with well-formed
+answers; its result is both the initial policy and the frozen reference.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable, Sequence
+
+import torch
+
+from actors.modeling import forward_logprobs
+from algorithms.common import masked_mean
+from rlsys.batch import TrainBatch, collate_ids
+
+
+def sft_batch(tokenizer, rows: Sequence[dict], task) -> TrainBatch:
+    """prompt + answer + eos, with the loss on the answer and eos."""
+    prompts = [tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in rows]
+    answers = [tokenizer(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
+    return collate_ids(prompts, answers, pad_id=tokenizer.pad_token_id)
+
+
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the masked (answer) tokens."""
+    return -masked_mean(logprobs, mask)
+
+
+def warmup(model, tokenizer, task, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int,
+           on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """`steps` AdamW steps on random minibatches of `rows`. Returns the loss curve."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / max(steps, 1)))
+    model.train()
+    losses = []
+    for step in range(steps):
+        batch = sft_batch(tokenizer, rng.sample(rows, min(batch_size, len(rows))), task)
+        _, logprobs, _ = forward_logprobs(model, batch.input_ids, batch.attention_mask)
+        loss = sft_loss(logprobs, batch.response_mask)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, loss.item())
+    model.eval()
+    return losses

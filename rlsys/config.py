@@ -1,0 +1,198 @@
+"""Typed job configuration: YAML in configs/, dotted overrides from the command line.
+
+A bad config fails before any actor starts with one line naming the key, the bad value
+and what is allowed (`ConfigError`; the CLI prints it and exits 2).
+
+The `algorithm` section is validated in two passes: here only its `name`; the chosen
+algorithm's own `Config` model then validates the rest (`validate_section`), so a new
+algorithm brings its own keys without touching this file.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """One-line, user-facing configuration error."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "quickstart"
+    seed: int = 0
+    output_dir: str = "runs"
+
+
+class ModelConfig(Section):
+    path: Optional[str] = Field(None, description="local HF model dir; none builds a tiny model")
+    vocab_size: int = Field(512, ge=32, le=65536)
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(384, ge=8)
+    num_hidden_layers: int = Field(4, ge=1, le=64)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(256, ge=16)
+
+
+class TaskConfig(Section):
+    name: str = "arithmetic"
+    train_path: Optional[str] = Field(None, description="jsonl/parquet of {prompt, answer}; none generates")
+    eval_path: Optional[str] = None
+    num_train: int = Field(4000, ge=1)
+    num_eval: int = Field(200, ge=1)
+    min_value: int = Field(0, ge=0)
+    max_value: int = Field(99, ge=1)
+    operations: list[Literal["+", "-", "*"]] = ["+"]
+
+
+class SFTConfig(Section):
+    steps: int = Field(150, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+
+class RolloutConfig(Section):
+    backend: Literal["hf", "vllm"] = "hf"
+    num_workers: int = Field(1, ge=1, le=64)
+    threads_per_worker: int = Field(1, ge=1)
+    max_new_tokens: int = Field(8, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    batch_size: int = Field(64, ge=1, description="sequences per generate call")
+    eval_greedy: bool = True
+    kv_cache: Literal["full", "specache"] = "full"
+    quantized: Optional[str] = None
+
+
+class LearnerConfig(Section):
+    num_ranks: int = Field(1, ge=1, le=64)
+    zero_stage: int = Field(0, ge=0, le=3)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(64, ge=1)
+    epochs: int = Field(1, ge=1)
+    minibatches: int = Field(1, ge=1)
+    threads: int = Field(1, ge=1)
+
+
+class TrainerConfig(Section):
+    steps: int = Field(20, ge=0)
+    prompts_per_step: int = Field(32, ge=1)
+    eval_every: int = Field(10, ge=0)
+    checkpoint_every: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    sync_timeout_s: float = Field(120.0, gt=0)
+
+
+class BufferConfig(Section):
+    max_staleness: int = Field(0, ge=0, description="drop rows older than this many policy versions")
+    capacity: int = Field(100_000, ge=1)
+
+
+class RayConfig(Section):
+    address: Optional[str] = None
+    num_cpus: Optional[int] = Field(None, ge=1)
+
+
+class AlgorithmSection(BaseModel):
+    """Only `name` is checked here; the algorithm's own Config validates the other keys."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "grpo"
+
+
+class JobConfig(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sft: SFTConfig = SFTConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    learner: LearnerConfig = LearnerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    buffer: BufferConfig = BufferConfig()
+    ray: RayConfig = RayConfig()
+    algorithm: AlgorithmSection = AlgorithmSection()
+
+    def algorithm_params(self) -> dict[str, Any]:
+        return {k: v for k, v in self.algorithm.model_dump().items() if k != "name"}
+
+
+def _describe(err: dict, prefix: str) -> str:
+    key = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+    value = err.get("input")
+    if err["type"] == "extra_forbidden":
+        return f"config error: unknown key '{key}'"
+    if err["type"] == "missing":
+        return f"config error: '{key}' is required"
+    return f"config error: {key} = {value!r}: {err['msg']}"
+
+
+def validate_section(model_cls: type[BaseModel], data: dict, prefix: str = "") -> BaseModel:
+    """Validate `data` into `model_cls`, turning the first pydantic error into a ConfigError."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e.errors()[0], prefix)) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], yaml-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"config error: override '{text}' is not of the form key=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"config error: override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"config error: '{'.'.join(path)}': '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config error: file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config error: {path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config error: {path} must hold a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> JobConfig:
+    raw = load_yaml(path) if path is not None else (data or {})
+    raw = apply_overrides(raw, list(overrides))
+    return validate_section(JobConfig, raw)
+
+
+def dump_config(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
