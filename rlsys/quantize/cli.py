@@ -42,6 +42,19 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+def _quiet_load(load_model, path: Path):
+    """`load_model` without transformers' progress bar (the CLI prints one line)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load_model(path).eval()
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def run(args: argparse.Namespace) -> str:
     """Quantise as `args` says; return the summary line. Raises ValueError/FileNotFoundError."""
     from rlsys.models import load_model, load_tokenizer
@@ -53,8 +66,12 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError("--calib-samples must be >= 1 and --seqlen >= 2")
     if args.calib_file and not Path(args.calib_file).is_file():
         raise FileNotFoundError(f"calibration file {args.calib_file} not found")
+    if not 1 <= args.bits <= 8:
+        raise ValueError(f"--bits must be in 1..8, got {args.bits}")
+    if args.group < 1:
+        raise ValueError(f"--group must be positive, got {args.group}")
     cfg = QuantConfig(bits=args.bits, group_size=args.group, method=args.method, seed=args.seed)
-    model = load_model(src).eval()
+    model = _quiet_load(load_model, src)
     check_config(model, cfg)
     calib = None
     if cfg.method != "rtn":
