@@ -103,6 +103,17 @@ def get_algorithm(name: str) -> type:
     return _REGISTRY[name]
 
 
+def build_algorithm(cfg):
+    """The algorithm a JobConfig names, its own keys validated (ConfigError names a bad one)."""
+    from rlsys.config import ConfigError, validate_section
+
+    try:
+        cls = get_algorithm(cfg.algorithm.name)
+    except KeyError as e:
+        raise ConfigError(f"config error: algorithm.name = {cfg.algorithm.name!r}: {e.args[0]}") from None
+    return cls(validate_section(cls.Config, cfg.algorithm_params(), prefix="algorithm"))
+
+
 BUILTIN_MODULES = ("ppo", "grpo", "rloo")
 
 

@@ -16,7 +16,7 @@ from rlsys.batch import TrainBatch, collate
 
 
 class PPOConfig(AlgorithmConfig):
-    samples_per_prompt: int = Field(1, ge=1)
+    group_size: int = Field(1, ge=1, description="responses sampled per prompt")
     clip_eps: float = Field(0.2, gt=0, lt=1)
     value_clip: float = Field(0.2, gt=0)
     vf_coef: float = Field(0.5, ge=0)
@@ -35,7 +35,7 @@ class PPO(StatelessMixin):
         self.config = config or self.Config()
 
     def rollout(self, ctx, prompts) -> pa.Table:
-        table = sample_groups(ctx, prompts, self.config.samples_per_prompt, with_ref=True)
+        table = sample_groups(ctx, prompts, self.config.group_size, with_ref=True)
         return set_token_column(table, "values", ctx.values(table))
 
     def prepare(self, table: pa.Table) -> TrainBatch:

@@ -1,0 +1,23 @@
+"""Tasks by name: the config's `task.name` picks one."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from envs.arithmetic import ArithmeticTask
+
+TASKS = ("arithmetic",)
+
+
+def make_task(task_cfg, data_dir: Path, seed: int):
+    """Build the configured task; user data (train_path/eval_path) replaces generated rows."""
+    if task_cfg.name != "arithmetic":
+        raise ValueError(f"unknown task '{task_cfg.name}' (available: {', '.join(TASKS)})")
+    if task_cfg.train_path:
+        task = ArithmeticTask(Path(task_cfg.train_path), Path(task_cfg.eval_path or task_cfg.train_path))
+    else:
+        task = ArithmeticTask.create(
+            data_dir, task_cfg.num_train, task_cfg.num_eval, task_cfg.min_value, task_cfg.max_value,
+            task_cfg.operations, seed,
+        )
+    task.rows("train"), task.rows("eval")  # fail now, with the row, if the data is bad
+    return task

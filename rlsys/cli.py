@@ -1,0 +1,81 @@
+"""`rlsys` command line: run, and the side modules' commands.
+
+Errors a user can fix (config, dataset, missing files) print one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _run(args) -> int:
+    from rlsys.cluster import init_ray
+    from rlsys.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from algorithms.base import build_algorithm
+
+    build_algorithm(cfg)  # the algorithm's own keys, checked before any actor starts
+    init_ray(cfg.ray.address, cfg.ray.num_cpus)  # before anything imports ray
+    from rlsys.controller import Controller
+
+    controller = Controller(cfg, Path(cfg.run.output_dir) / cfg.run.name, progress=not args.no_progress)
+    run_dir = controller.run_dir
+    summary = controller.run()
+    print(
+        f"run {summary['run']} ({summary['algorithm']}) finished {summary['steps']} steps in "
+        f"{summary['seconds']:.0f} s: held-out accuracy {summary['eval_accuracy_before_rl']:.3f} after warm-up -> "
+        f"{summary['eval_accuracy_after_rl']:.3f} after RL; run dir {summary['run_dir']}"
+    )
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def _delegate(module: str, prefix: list[str]):
+    def call(args) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(prefix + args.rest)
+
+    return call
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlsys", description="Ray-based RL post-training for language models")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a training job (embedded local Ray unless ray.address is set)")
+    run.add_argument("config")
+    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.kl_coef=0.02")
+    run.add_argument("--no-progress", action="store_true")
+    run.set_defaults(func=_run)
+    for name, module, prefix in (
+        ("sandbox", "sandbox.cli", []),
+        ("quantize", "rlsys.quantize.cli", []),
+        ("privacy", "rlsys.privacy.cli", []),
+    ):
+        s = sub.add_parser(name, help=f"{name} commands", add_help=False)
+        s.add_argument("rest", nargs=argparse.REMAINDER)
+        s.set_defaults(func=_delegate(module, prefix))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from envs.datasets import DatasetError
+    from rlsys.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, DatasetError) as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

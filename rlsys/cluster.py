@@ -1,0 +1,50 @@
+"""Connecting to Ray: an embedded local cluster on loopback, or an existing address.
+
+Ray 2.60 turns token authentication on by default and a stale `~/.ray/auth_token` can
+break a later cluster, so the auth mode is always set explicitly: an embedded cluster
+gets its own temp dir and a fresh token inside it.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+
+def ray_env_for_local(temp_dir: Path) -> dict[str, str]:
+    token_path = temp_dir / "auth_token"
+    if not token_path.exists():
+        token_path.write_text(secrets.token_hex(32))
+        token_path.chmod(0o600)
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None):
+    """Ray reads its auth settings when first imported, so for an embedded cluster the
+    environment is set before `import ray` (callers must not have imported it yet)."""
+    quiet = dict(log_to_driver=True, logging_level="WARNING")
+    if address:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, **quiet)
+        return
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        return
+    temp = Path(temp_dir or tempfile.mkdtemp(prefix="rlsys-ray-", dir="/tmp"))
+    temp.mkdir(parents=True, exist_ok=True)
+    for k, v in ray_env_for_local(temp).items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    cpus = max(num_cpus or os.cpu_count() or 1, 2)
+    ray.init(
+        num_cpus=cpus,
+        include_dashboard=False,
+        _temp_dir=str(temp),
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}},
+        **quiet,
+    )

@@ -1,0 +1,298 @@
+"""The single controller: owns the actors and runs the loop, top to bottom.
+
+    prompts -> Algorithm.rollout (rollout workers, reward, reference) -> ExperienceBuffer
+            -> Algorithm.prepare -> Learner.train_step (all ranks) -> weight sync -> log/eval
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import socket
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from algorithms.base import Prompt, build_algorithm
+from rlsys.config import JobConfig, dump_config
+from rlsys.generation import GenerationRequest, SamplingParams
+
+
+class WeightSyncTimeout(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PromptStream:
+    """Training prompts in a seeded shuffled order, epoch after epoch; its cursor is
+    (epoch, position), saved in checkpoints so a resumed run consumes the same prompts."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.prompts, self.seed = prompts, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[Prompt]:
+        out = []
+        while len(out) < n:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffled(self.epoch)
+            out.append(self.prompts[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._shuffled(self.epoch)
+
+
+class ActorContext:
+    """The `RolloutContext` algorithms see: actor calls behind plain methods, timed per phase."""
+
+    def __init__(self, cfg: JobConfig, tokenizer, task, workers, reference, reward, learners, seed: int):
+        self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
+        self.workers, self.reference, self.reward, self.learners = workers, reference, reward, learners
+        self.policy_version = 0
+        self.rng = np.random.default_rng(seed)
+        self.timings: dict[str, float] = defaultdict(float)
+        self.tokens_generated = 0
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.timings[phase] += time.perf_counter() - start
+
+    def sampling(self, **overrides) -> SamplingParams:
+        r = self.cfg.rollout
+        base = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=(self.tokenizer.eos_token_id,))
+        return dataclasses.replace(base, **overrides)
+
+    def next_seed(self) -> int:
+        return int(self.rng.integers(0, 2**31 - 1))
+
+    def generate(self, requests):
+        """Contiguous shares of the requests to each worker; results back in request order."""
+        with self.timed("generate"):
+            shares = np.array_split(np.arange(len(requests)), len(self.workers))
+            futures = []
+            for w, (worker, idx) in enumerate(zip(self.workers, shares)):
+                if len(idx) == 0:
+                    continue
+                part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w)) for i in idx]
+                futures.append((idx, worker.generate.remote(part)))
+            out = []
+            for idx, fut in futures:
+                for g in ray.get(fut):
+                    g.request_index = int(idx[g.request_index])
+                    out.append(g)
+            self.tokens_generated += sum(len(g.response_ids) for g in out)
+            return out
+
+    def score(self, table):
+        with self.timed("reward"):
+            return ray.get(self.reward.score.remote(table))
+
+    def ref_logprobs(self, table):
+        with self.timed("reference"):
+            return ray.get(self.reference.logprobs.remote(table))
+
+    def values(self, table):
+        with self.timed("values"):
+            return ray.get(self.learners[0].values.remote(table))
+
+
+def _worker_seeded(params: SamplingParams, worker: int) -> SamplingParams:
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + 7919 * worker)
+
+
+class Controller:
+    def __init__(self, cfg: JobConfig, run_dir: Path, progress: bool = True):
+        self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        self.algorithm = build_algorithm(cfg)  # config errors surface before anything starts
+        self.step = 0
+        self.evals: list[dict] = []
+
+    # ---- setup -------------------------------------------------------------------------
+    def prepare_policy(self) -> Path:
+        """Tokenizer + initial policy (tiny model from config, or a local HF dir), SFT warm-up,
+        saved once to run_dir/policy_init; later calls reuse it."""
+        from algorithms.sft import warmup
+        from envs.registry import make_task
+        from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
+
+        cfg = self.cfg
+        self.task = make_task(cfg.task, self.run_dir / "data", cfg.run.seed)
+        init_dir = self.run_dir / "policy_init"
+        if (init_dir / "config.json").exists():
+            self.tokenizer = load_tokenizer(init_dir)
+            return init_dir
+        if cfg.model.path:
+            model, tokenizer = load_model(cfg.model.path), load_tokenizer(cfg.model.path)
+        else:
+            tokenizer = train_tokenizer(self.task.corpus(), cfg.model.vocab_size)
+            spec = TinyModelSpec(**cfg.model.model_dump(exclude={"path"}))
+            model = build_tiny_model(spec, tokenizer, seed=cfg.run.seed)
+        if cfg.sft.steps:
+            bar = _bar(cfg.sft.steps, "warm-up", self.progress)
+            warmup(model, tokenizer, self.task, self.task.rows("train"), cfg.sft.steps, cfg.sft.batch_size,
+                   cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update())
+            bar.close()
+        save_model_dir(model, tokenizer, init_dir)
+        self.tokenizer = tokenizer
+        return init_dir
+
+    def start_actors(self, policy_dir: Path) -> None:
+        from actors.learner import Learner
+        from actors.reference import ReferenceWorker
+        from actors.reward import RewardWorker
+        from actors.rollout import RolloutWorker
+        from rlsys.buffer import ExperienceBuffer
+
+        cfg = self.cfg
+        r, l = cfg.rollout, cfg.learner
+        opts = dict(max_restarts=-1, max_task_retries=2)
+        self.workers = [
+            ray.remote(RolloutWorker).options(num_cpus=0.5, **opts).remote(
+                str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i)
+            for i in range(r.num_workers)
+        ]
+        temperature = r.temperature if r.temperature > 0 else 1.0
+        self.reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature)
+        self.reward = ray.remote(RewardWorker).options(num_cpus=0.1).remote(str(policy_dir), task=self.task)
+        port = free_port()
+        self.learners = [
+            ray.remote(Learner).options(num_cpus=0.5).remote(
+                str(policy_dir), self.algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
+                zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
+                threads=l.threads, rank=rank, world_size=l.num_ranks, master_port=port, seed=cfg.run.seed)
+            for rank in range(l.num_ranks)
+        ]
+        self.buffer = ray.remote(ExperienceBuffer).options(num_cpus=0.1).remote(
+            cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed)
+        ray.get([a.ready.remote() for a in self.learners])
+        self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.workers, self.reference, self.reward,
+                                self.learners, cfg.run.seed)
+        prompts = [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))]
+        self.stream = PromptStream(prompts, cfg.run.seed)
+
+    def _prompt(self, uid: str, row: dict) -> Prompt:
+        text = self.task.prompt_text(row)
+        return Prompt(uid, self.tokenizer(text, add_special_tokens=False)["input_ids"], text, row)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, ctx = self.cfg, self.ctx
+        ctx.timings.clear()
+        tokens_before = ctx.tokens_generated
+        start = time.perf_counter()
+        table = self.algorithm.rollout(ctx, self.stream.next(cfg.trainer.prompts_per_step))
+        with ctx.timed("buffer"):
+            ray.get(self.buffer.put.remote(table))
+            table = ray.get(self.buffer.take.remote())
+        with ctx.timed("prepare"):
+            batch = self.algorithm.prepare(table)
+            extra = getattr(self.algorithm, "prepare_metrics", lambda t: {})(table)
+        with ctx.timed("train"):
+            rank_metrics = ray.get([l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))])
+        with ctx.timed("sync"):
+            self.sync_weights(ctx.policy_version + 1)
+        self.step += 1
+        rewards = np.asarray(table.column("reward").to_pylist())
+        lengths = [len(x) for x in table.column("response_ids").to_pylist()]
+        metrics = {k: float(np.mean([m[k] for m in rank_metrics if k in m])) for k in rank_metrics[0]}
+        metrics.pop("time/train_rank", None)
+        metrics.update(extra)
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "accuracy/train": float((rewards >= 1.0).mean()), "response_length": float(np.mean(lengths)),
+            "samples": float(table.num_rows), "policy_version": float(ctx.policy_version),
+        })
+        for phase, seconds in ctx.timings.items():
+            metrics[f"time/{phase}"] = seconds
+        metrics["time/step"] = time.perf_counter() - start
+        generated = ctx.tokens_generated - tokens_before
+        metrics["perf/tokens_per_s"] = generated / max(ctx.timings.get("generate", 0.0), 1e-9)
+        metrics["perf/samples_per_s"] = table.num_rows / metrics["time/step"]
+        return metrics
+
+    def sync_weights(self, version: int) -> None:
+        """Learner rank 0 -> every rollout worker through the object store, as numpy arrays."""
+        refs = [l.weights.remote() for l in self.learners]  # all ranks: ZeRO-3 gathers collectively
+        timeout = self.cfg.trainer.sync_timeout_s
+        acks = [w.load_weights.remote(version, refs[0]) for w in self.workers]
+        ready, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
+        if pending:
+            raise WeightSyncTimeout(
+                f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
+                f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
+        ray.get(ready + refs[1:])
+        self.ctx.policy_version = version
+        ray.get(self.buffer.set_policy_version.remote(version))
+
+    def evaluate(self, split: str = "eval") -> dict[str, float]:
+        """Greedy accuracy on a split through the rollout workers (current policy version)."""
+        rows = self.task.rows(split)
+        prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
+        params = self.ctx.sampling(n=1, temperature=0.0 if self.cfg.rollout.eval_greedy else self.cfg.rollout.temperature,
+                                   seed=12345)
+        gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
+        texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        correct = [self.task.is_correct(prompts[g.request_index].meta, t) for g, t in zip(gens, texts)]
+        return {"accuracy": float(np.mean(correct)), "n": float(len(correct))}
+
+    def run(self) -> dict:
+        from rlsys.tracking import Tracker
+
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        t0 = time.perf_counter()
+        policy_dir = self.prepare_policy()
+        self.start_actors(policy_dir)
+        tracker = Tracker(self.run_dir)
+        first = self.evaluate()
+        tracker.log_eval(self.step, "heldout", first, self.ctx.policy_version)
+        bar = _bar(cfg.trainer.steps, f"{cfg.algorithm.name}", self.progress)
+        last_eval = first
+        while self.step < cfg.trainer.steps:
+            metrics = self.train_step()
+            tracker.log(self.step, metrics)
+            if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 or self.step == cfg.trainer.steps:
+                last_eval = self.evaluate()
+                tracker.log_eval(self.step, "heldout", last_eval, self.ctx.policy_version)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}")
+            bar.update()
+        bar.close()
+        tracker.close()
+        summary = {
+            "run": cfg.run.name, "algorithm": cfg.algorithm.name, "steps": self.step,
+            "eval_accuracy_before_rl": first["accuracy"], "eval_accuracy_after_rl": last_eval["accuracy"],
+            "seconds": time.perf_counter() - t0, "run_dir": str(self.run_dir),
+        }
+        return summary
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=True)
