@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attack import AttackConfig, View, blind_view, permuted_view, plain_view, vocab_matching_attack
+from .attack import AttackConfig, blind_view, permuted_view, plain_view, vocab_matching_attack
 from .cascade import c_delta_shards, cascade_forward, party_view
 from .decoder import DecoderWeights
 
@@ -79,6 +79,33 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[Tens
     return [torch.randint(0, vocab_size, (length,), generator=g) for _ in range(n)]
 
 
+@torch.no_grad()
+def attack_cascade_parties(
+    model,
+    prompts: list[Tensor],
+    layer: int,
+    config: AttackConfig,
+    c: int,
+    delta: int,
+    backend: str = "local",
+    hosts: int | None = None,
+) -> tuple[ViewScore, float, int]:
+    """Run each prompt through Cascade with (c, delta)-sharding and attack every compute
+    party's rows of state `layer`. Returns the pooled score, the largest |logit| difference
+    from the served model, and the number of compute parties."""
+    w = DecoderWeights.from_hf(model)
+    pool = _Pool("cascade: one compute party")
+    max_diff, n_parties = 0.0, 0
+    for ids in prompts:
+        out = cascade_forward(w, ids, c_delta_shards(ids.shape[0], c, delta), backend, hosts)
+        max_diff = max(max_diff, (out.logits - model(ids[None]).logits[0].float()).abs().max().item())
+        n_parties = max(n_parties, len(out.shards))
+        for party in range(len(out.shards)):
+            pool.add(vocab_matching_attack(w, party_view(out, party, layer), config), ids)
+    return pool.score(), max_diff, n_parties
+
+
+@torch.no_grad()
 def evaluate(
     model,
     prompts: list[Tensor],
@@ -96,22 +123,15 @@ def evaluate(
         raise ValueError(f"layer={layer}: the model has hidden states 0..{w.n_layers}")
     g = torch.Generator().manual_seed(seed)
     pools = {name: _Pool(name) for name, _, _ in PLAIN_VIEWS}
-    pools["cascade: one compute party"] = _Pool("cascade: one compute party")
-    pools["no view (chance)"] = _Pool("no view (chance)")
-    max_diff, n_parties = 0.0, 0
+    blind = _Pool("no view (chance)")
     for ids in prompts:
         base = plain_view(transformers_states(model, ids, layer), layer)
         for name, rows, dims in PLAIN_VIEWS:
             view = permuted_view(base, rows, dims, g) if rows or dims else base
             pools[name].add(vocab_matching_attack(w, view, config), ids)
-        out = cascade_forward(w, ids, c_delta_shards(ids.shape[0], c, delta), backend, hosts)
-        max_diff = max(max_diff, (out.logits - model(ids[None]).logits[0].float()).abs().max().item())
-        n_parties = max(n_parties, len(out.shards))
-        for party in range(len(out.shards)):
-            pools["cascade: one compute party"].add(vocab_matching_attack(w, party_view(out, party, layer), config), ids)
-        blind: View = blind_view(ids.shape[0], layer, w.embed.shape[1])
-        pools["no view (chance)"].add(vocab_matching_attack(w, blind, config), ids)
-    return Evaluation([p.score() for p in pools.values()], max_diff, n_parties)
+        blind.add(vocab_matching_attack(w, blind_view(ids.shape[0], layer, w.embed.shape[1]), config), ids)
+    cascade, max_diff, n_parties = attack_cascade_parties(model, prompts, layer, config, c, delta, backend, hosts)
+    return Evaluation([*(p.score() for p in pools.values()), cascade, blind.score()], max_diff, n_parties)
 
 
 def markdown_table(scores: list[ViewScore]) -> str:
