@@ -2,8 +2,8 @@
 
 Fast tier ("device" memory; a pool of its own on CPU), per layer:
   * the low-bit copy `K'`, `V'` of every token older than the recent window: keys
-    quantised per channel over groups of `group_size` tokens, values per token over groups
-    of `value_group_size` channels (KIVI), codes packed, zero points/scales in `meta_dtype`;
+    quantised per channel over groups of `group_size` tokens, values per token over the
+    head's channels (KIVI), codes packed, zero points and scales in `meta_dtype`;
   * the recent window in full precision: at least `window` and fewer than
     `window + group_size` of the newest tokens (a key group is quantised once complete);
   * the `k` full-precision pairs prefetched for this step, with their indices.
@@ -47,7 +47,6 @@ class SpeCacheConfig:
     bits: int = 1
     window: int = 32
     group_size: int = 32
-    value_group_size: int | None = None  # None: one group per head (head_dim channels)
     meta_dtype: torch.dtype = torch.float16
 
     def __post_init__(self):
@@ -98,7 +97,7 @@ class SpeCacheLayer(CacheLayerMixin):
         self.length = 0  # tokens committed (slow tier)
         self.n_quant = 0  # leading tokens held only as low-bit codes in the fast tier
         self.key_q: Quantized | None = None  # codes (B, H, n_groups, G, D/8*bits), meta (B, H, n_groups, 1, D)
-        self.value_q: Quantized | None = None  # codes (B, H, n_quant, D/Gv, Gv/8*bits), meta (B, H, n_quant, D/Gv, 1)
+        self.value_q: Quantized | None = None  # codes (B, H, n_quant, D/8*bits), meta (B, H, n_quant, 1)
         self.fetched: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # index, keys, values
         self.pending: Future | None = None
 
@@ -169,11 +168,10 @@ class SpeCacheLayer(CacheLayerMixin):
         """Move the oldest `group_size` window tokens to the low-bit copy (KIVI layout)."""
         cfg = self.owner.config
         g, batch = cfg.group_size, self.window_keys.shape[0]
-        gv = cfg.value_group_size or self.dim
         keys, values = self.window_keys[:, :, :g], self.window_values[:, :, :g]
         valid = self.owner.valid[:, self.n_quant : self.n_quant + g].reshape(batch, 1, 1, g, 1)
         key_q = quantize(keys.reshape(batch, self.heads, 1, g, self.dim), cfg.bits, dim=-2, valid=valid, meta_dtype=cfg.meta_dtype)
-        value_q = quantize(values.reshape(batch, self.heads, g, self.dim // gv, gv), cfg.bits, dim=-1, meta_dtype=cfg.meta_dtype)
+        value_q = quantize(values, cfg.bits, dim=-1, meta_dtype=cfg.meta_dtype)
         self.key_q = _append(self.key_q, key_q, dim=2)
         self.value_q = _append(self.value_q, value_q, dim=2)
         self.window_keys = self.window_keys[:, :, g:].clone()
