@@ -163,16 +163,16 @@ def test_attack_on_one_cascade_party_falls_to_chance_under_the_same_budget(weigh
 def test_proposal_ordering_finds_the_models_own_text_first(weights):
     """Greedy text of the model is its own top proposal at every step: one candidate per
     position after the first, against about V/2 for vocabulary order."""
-    ids = [7]
+    n, ids = 6, [7]
     with torch.no_grad():
-        for _ in range(N - 1):
+        for _ in range(n - 1):
             ids.append(int(plain_logits(weights, torch.tensor(ids))[-1].argmax()))
     prompt = torch.tensor(ids)
     view = plain_view(hidden_states(weights, prompt)[2], 2)
     by_model = vocab_matching_attack(weights, view, AttackConfig(batch_size=1, proposal="model"))
     by_vocab = vocab_matching_attack(weights, view, AttackConfig(batch_size=1, proposal="vocab"))
     assert by_model.tokens == by_vocab.tokens == ids
-    assert by_model.candidates == 8 + (N - 1)  # token 7 is the 8th id, then one each
+    assert by_model.candidates == 8 + (n - 1)  # token 7 is the 8th id, then one each
     assert by_vocab.candidates == sum(t + 1 for t in ids)
 
 

@@ -35,10 +35,11 @@ def setup():
 
 @pytest.mark.parametrize(
     "shards, hosts",
-    [(c_delta_shards(8, 4, 2), None), (c_delta_shards(8, 2, 2), 2)],
+    [(c_delta_shards(8, 4, 1), None), (c_delta_shards(8, 2, 2), 2)],
     ids=["one-actor-per-party", "parties-on-2-actors"],
 )
 def test_ray_parties_reproduce_the_plain_model(ray_session, setup, shards, hosts):
+    """2 compute + 3 attention parties on their own actors; 4 + 12 parties on 2 actors."""
     w, ids, hf = setup
     out = cascade_forward(w, ids, shards, backend="ray", hosts=hosts)
     torch.testing.assert_close(out.logits, hf.logits[0], atol=1e-5, rtol=1e-5)

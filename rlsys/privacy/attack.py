@@ -1,6 +1,6 @@
-"""The vocabulary-matching inversion attack (Thomas et al., 2025, "Hidden No More: Attacking
-and Defending Private Third-Party LLM Inference"): rebuild a prompt from one layer's hidden
-states and the model's open weights.
+"""The vocabulary-matching inversion attack (Thomas et al., 2025, arXiv:2505.18332; with
+Cascade, ICML 2025 "Hidden No More: Attacking and Defending Private Third-Party LLM
+Inference"): rebuild a prompt from one layer's hidden states and the model's open weights.
 
 In a causal decoder the state at position i depends only on tokens 0..i, so position by
 position the attacker extends the known prefix with candidate tokens v, ordered by a
@@ -24,7 +24,7 @@ epsilon after the budget, the attacker keeps the nearest candidate it tried.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -77,14 +77,15 @@ class AttackConfig:
 
 @dataclass
 class AttackResult:
-    """Recovered tokens, which of them passed the threshold, and what the search cost."""
+    """Recovered tokens, which passed the threshold (V1), the distance of each (nan where the
+    position was unobserved), candidates evaluated in all, wall time and the epsilon used."""
 
     tokens: list[int]
     matched: list[bool]
     candidates: int
     seconds: float
     epsilon: float
-    distances: list[float] = field(default_factory=list)
+    distances: list[float]
 
     def recovery(self, truth: Tensor | list[int]) -> float:
         """Fraction of prompt positions recovered exactly."""

@@ -1,5 +1,6 @@
-"""Cascade (Thomas et al., 2025, "Cascade: Token-Sharded Private LLM Inference"): a
-sequence-sharded forward pass of a decoder across parties that each see only some rows.
+"""Cascade (Thomas et al., 2025, "Cascade: Token-Sharded Private LLM Inference",
+arXiv:2507.05228): a sequence-sharded forward pass of a decoder across parties that each
+see only some rows.
 
 Compute party i holds the token positions of shard S_i and runs everything token-local on
 them (norms, Q/K/V and output projections, MLP, final norm and lm_head). Attention party
