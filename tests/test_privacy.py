@@ -8,7 +8,7 @@ import torch
 
 from rlsys.models import TinyModelSpec, build_tiny_model
 from rlsys.privacy import cli
-from rlsys.privacy.attack import AttackConfig, View, blind_view, permuted_view, plain_view, vocab_matching_attack
+from rlsys.privacy.attack import AttackConfig, blind_view, permuted_view, plain_view, vocab_matching_attack
 from rlsys.privacy.cascade import attention_pairs, c_delta_shards, cascade_forward, check_shards, party_view
 from rlsys.privacy.decoder import DecoderWeights, hidden_states, merge_partials, partial_attention, plain_logits
 from rlsys.privacy.evaluate import evaluate, random_prompts

@@ -39,6 +39,9 @@ class ViewScore:
 
 @dataclass
 class Evaluation:
+    """Scores per view, how far Cascade's logits were from the served model's, and how many
+    compute parties each prompt was sharded over."""
+
     scores: list[ViewScore]
     cascade_max_logit_diff: float
     n_parties: int
