@@ -1,0 +1,78 @@
+# Runs INSIDE the sandbox as the unprivileged user, started as `python3 -c <this> PAYLOAD...`.
+# Standard library only: the sandbox root filesystem has nothing else. It wipes the work
+# dir and /tmp (a warm container is reused), writes the job's files, runs the job under
+# rlimits, then kills every process the job left behind and wipes again.
+import base64
+import json
+import os
+import resource
+import signal
+import sys
+
+def wipe(path):
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        try:
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)  # the job may have made it unreadable
+                wipe(p)
+                os.rmdir(p)
+            else:
+                os.unlink(p)
+        except Exception:
+            pass
+
+
+def limit(res, soft, hard=None):
+    hard = soft if hard is None else hard
+    ceiling = resource.getrlimit(res)[1]
+    if ceiling != resource.RLIM_INFINITY:
+        soft, hard = min(soft, ceiling), min(hard, ceiling)
+    resource.setrlimit(res, (soft, hard))
+
+
+def fail(msg):
+    sys.stderr.write("rlsys-bootstrap: " + msg + "\n")
+    sys.exit(125)
+
+
+try:
+    job = json.loads(base64.b64decode("".join(sys.argv[1:])))
+    WORK, TMP = job["work"], job["tmp"]
+    for d in (WORK, TMP):
+        wipe(d)
+    for name, data in job["files"].items():
+        path = os.path.join(WORK, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(data))
+    with open(os.path.join(TMP, ".rlsys-stdin"), "wb") as f:
+        f.write(base64.b64decode(job["stdin"]))
+except Exception as e:  # noqa: BLE001 - any failure here is the sandbox's, not the job's
+    fail("setup failed: %r" % (e,))
+
+lim = job["limits"]
+pid = os.fork()
+if pid == 0:
+    try:
+        stdin = os.open(os.path.join(TMP, ".rlsys-stdin"), os.O_RDONLY)
+        os.unlink(os.path.join(TMP, ".rlsys-stdin"))
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        limit(resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1)  # SIGXCPU, then SIGKILL
+        limit(resource.RLIMIT_FSIZE, lim["fsize"])
+        limit(resource.RLIMIT_NOFILE, lim["nofile"])
+        limit(resource.RLIMIT_CORE, 0)
+        os.execv(job["argv"][0], job["argv"])
+    except Exception as e:  # noqa: BLE001
+        os.write(2, ("rlsys-bootstrap: exec failed: %r\n" % (e,)).encode())
+        os._exit(125)
+_, status = os.waitpid(pid, 0)
+if job["kill_leftovers"]:
+    try:
+        os.kill(-1, signal.SIGKILL)  # every other process of this user: the job's leftovers
+    except OSError:
+        pass
+for d in (WORK, TMP):
+    wipe(d)
+sys.exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))

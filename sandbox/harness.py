@@ -1,0 +1,51 @@
+"""The test harness, host side: wraps a request with tests so the in-sandbox runner
+(`_runner.py`) executes them, then turns the runner's report into per-test results."""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from .types import ExecRequest, ExecResult, TestResult
+
+RUNNER = (Path(__file__).with_name("_runner.py")).read_bytes()
+RUNNER_NAME = "_rlsys_runner.py"
+
+
+def wrap(req: ExecRequest) -> tuple[dict[str, bytes], list[str], str]:
+    """Files and argv that run `req.tests` against `req.code`, and the nonce that marks
+    the runner's report lines on stdout."""
+    nonce = "RLSYS-" + secrets.token_hex(8)
+    spec = {"tests": [asdict(t) for t in req.tests], "wall_time_s": req.limits.wall_time_s}
+    files = {RUNNER_NAME: RUNNER, "_rlsys_tests.json": json.dumps(spec).encode()}
+    return files, [RUNNER_NAME, nonce], nonce
+
+
+def finish(res: ExecResult, req: ExecRequest, nonce: str) -> ExecResult:
+    """Strip the report lines from stdout and fill `tests`; a test without a report
+    failed. Status: ok when every test passed, failed when one did not, unless the run
+    itself hit a limit (timeout, oom, killed) or the sandbox failed (error)."""
+    reports, kept = {}, []
+    for line in res.stdout.splitlines(keepends=True):
+        if line.startswith(nonce + " "):
+            try:
+                r = json.loads(line[len(nonce) + 1:])
+                reports[r["name"]] = r
+            except (ValueError, KeyError):
+                pass
+        else:
+            kept.append(line)
+    why = res.error or f"the program exited (code {res.exit_code}) before this test reported"
+    if res.stdout_truncated:
+        why = "output limit exceeded before this test reported"
+    tests = []
+    for i, t in enumerate(req.tests):
+        ordinal = sum(1 for u in req.tests[:i] if u.kind == t.kind)
+        name = t.name or (f"test_{ordinal}" if t.kind == "assert" else f"case_{ordinal}")
+        r = reports.get(name)
+        tests.append(TestResult(name, bool(r["passed"]), r["message"]) if r else TestResult(name, False, f"not run: {why}"))
+    status = res.status
+    if status in ("ok", "failed"):
+        status = "ok" if all(t.passed for t in tests) else "failed"
+    return replace(res, stdout="".join(kept), tests=tests, status=status)
