@@ -1,6 +1,6 @@
 # Runs INSIDE the sandbox as the unprivileged user, started as `python3 -c <this> PAYLOAD...`.
 # Standard library only: the sandbox root filesystem has nothing else. It wipes the work
-# dir and /tmp (a warm container is reused), writes the job's files, runs the job under
+# dir and every other writable dir (a warm container is reused), writes the job's files, runs the job under
 # rlimits, then kills every process the job left behind and wipes again.
 import base64
 import json
@@ -10,7 +10,11 @@ import signal
 import sys
 
 def wipe(path):
-    for name in os.listdir(path):
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
         p = os.path.join(path, name)
         try:
             if os.path.isdir(p) and not os.path.islink(p):
@@ -39,7 +43,7 @@ def fail(msg):
 try:
     job = json.loads(base64.b64decode("".join(sys.argv[1:])))
     WORK, TMP = job["work"], job["tmp"]
-    for d in (WORK, TMP):
+    for d in job["wipe"]:
         wipe(d)
     for name, data in job["files"].items():
         path = os.path.join(WORK, name)
@@ -73,6 +77,6 @@ if job["kill_leftovers"]:
         os.kill(-1, signal.SIGKILL)  # every other process of this user: the job's leftovers
     except OSError:
         pass
-for d in (WORK, TMP):
+for d in job["wipe"]:
     wipe(d)
 sys.exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))

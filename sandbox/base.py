@@ -20,6 +20,8 @@ ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8", "PYTHONDONTW
 ARG_CHUNK = 100_000  # below the kernel's 128 KiB limit on one argv string
 MAX_PAYLOAD = 1_500_000  # below the kernel's ~2 MiB limit on argv as a whole
 BOOTSTRAP_FAILED = 125
+# Everything the job can write to, in either backend; wiped before and after each job.
+WRITABLE = ["/work", "/tmp", "/var/tmp", "/dev/shm", "/run/lock"]
 NOFILE_CEILING = 20_000  # hard RLIMIT_NOFILE on this kind of VM cannot go above it
 
 
@@ -128,6 +130,7 @@ def job_spec(files: dict[str, bytes], argv: list[str], stdin: bytes, limits: Lim
         },
         "work": "/work",
         "tmp": "/tmp",
+        "wipe": WRITABLE,
         "kill_leftovers": True,
     }
 

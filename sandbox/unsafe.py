@@ -25,7 +25,7 @@ class UnsafeSubprocessBackend(base.BaseBackend):
         work, tmp = os.path.join(top, "work"), os.path.join(top, "tmp")
         os.mkdir(work)
         os.mkdir(tmp)
-        job = {**job, "work": work, "tmp": tmp, "kill_leftovers": False}
+        job = {**job, "work": work, "tmp": tmp, "wipe": [work, tmp], "kill_leftovers": False}
         argv = base.bootstrap_argv(job)
         start = time.monotonic()
         proc = subprocess.Popen(argv, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
