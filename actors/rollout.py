@@ -3,9 +3,16 @@
 The backend interface (`RolloutBackend`) is what the transformers backend here and the
 vLLM backend (actors/vllm_backend.py, imported lazily) both implement:
 `generate(requests) -> generations` and `load_weights(weights)`.
+
+Two optional request features: `SamplingParams.interpolation` samples from a token-by-token
+mix of the policy's and the reference's logits (PILAF), and `GenerationRequest.embedding`
+returns a mean-pooled hidden state of each response. A backend that serves either may load
+the reference model (the initial policy, whose weights the rollout worker starts from),
+lazily, on the first request that needs it.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Protocol, Sequence
 
@@ -13,7 +20,7 @@ import numpy as np
 import torch
 
 from actors.modeling import load_numpy_state, pad_sequences, quiet_transformers
-from rlsys.generation import Generation, GenerationRequest, SamplingParams
+from rlsys.generation import Generation, GenerationRequest, Interpolation, SamplingParams, interpolated_logits
 
 
 class RolloutBackend(Protocol):
@@ -40,15 +47,53 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
     return tokens, "length"
 
 
-class HFBackend:
-    """transformers `generate` with KV cache; logprobs from the raw logits / temperature."""
+class ReferenceMixing:
+    """A transformers logits processor that replaces the policy's next-token logits h_theta by
+    `interpolated_logits(h_theta, h_ref, beta, mode)`. It runs the reference model alongside
+    generate with its own KV cache (positions follow the left-padded prompts' attention mask,
+    as transformers does for the policy). It runs before temperature/top-k/top-p, so those
+    apply to the mixed logits; the recorded logprobs stay the policy's (raw logits)."""
 
-    def __init__(self, model_dir: str, batch_size: int = 64, model=None):
+    def __init__(self, reference, interpolation: Interpolation, prompt_attention_mask: torch.Tensor):
+        self.reference, self.interpolation = reference, interpolation
+        self.attention_mask = prompt_attention_mask
+        self.seen, self.last_position = 0, None
+        from transformers import DynamicCache  # filled in place; transformers 5.2x names the argument `cache`
+
+        self.cache = DynamicCache()
+        self.cache_arg = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.seen == 0:
+            new = input_ids
+            positions = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        else:
+            new = input_ids[:, self.seen :]
+            ones = torch.ones_like(new, dtype=self.attention_mask.dtype)
+            self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
+            positions = self.last_position[:, None] + 1 + torch.arange(new.shape[1])
+        out = self.reference(input_ids=new, attention_mask=self.attention_mask, position_ids=positions,
+                             use_cache=True, **{self.cache_arg: self.cache})
+        self.seen, self.last_position = input_ids.shape[1], positions[:, -1]
+        h_ref = out.logits[:, -1].to(scores.dtype)
+        return interpolated_logits(scores, h_ref, self.interpolation.beta, self.interpolation.mode)
+
+
+class HFBackend:
+    """transformers `generate` with KV cache; logprobs from the raw logits / temperature.
+    `reference_dir` (default: `model_dir`, the initial policy) or an in-memory `reference`
+    serves interpolated sampling and reference embeddings; it is loaded on first use."""
+
+    def __init__(self, model_dir: str, batch_size: int = 64, model=None, reference_dir: str | None = None,
+                 reference=None):
         from rlsys.models import load_model
 
         quiet_transformers()
         self.model = model if model is not None else load_model(model_dir)
         self.model.eval()
+        self.reference_dir = reference_dir or model_dir
+        self._reference = reference.eval() if reference is not None else None
         self.batch_size = batch_size
         cfg = self.model.config
         eos = cfg.eos_token_id
@@ -58,10 +103,36 @@ class HFBackend:
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         load_numpy_state(self.model, weights)
 
+    @property
+    def reference(self):
+        """The frozen reference model, loaded on first use (only requests that need it pay)."""
+        if self._reference is None:
+            from rlsys.models import load_model
+
+            if self.reference_dir is None:
+                raise ValueError("this request needs the reference model, and the backend has no reference_dir")
+            self._reference = load_model(self.reference_dir).eval()
+        return self._reference
+
+    @torch.no_grad()
+    def embed(self, seqs: list[tuple[list[int], list[int]]], which: str) -> list[list[float]]:
+        """Mean over each response's tokens of the last hidden state of the policy or the
+        reference, for (prompt_ids, response_ids) pairs."""
+        model = {"policy": self.model, "reference": self.reference}[which]
+        out: list[list[float]] = []
+        for s in range(0, len(seqs), self.batch_size):
+            chunk = seqs[s : s + self.batch_size]
+            ids, mask = pad_sequences([p + r for p, r in chunk], self.pad_id, left=False)
+            hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1].float()
+            for row, (p, r) in enumerate(chunk):
+                out.append(hidden[row, len(p) : len(p) + len(r)].mean(0).tolist())
+        return out
+
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float], str]]:
         input_ids, attention_mask = pad_sequences(prompts, self.pad_id, left=True)
         stop_ids = self.eos_ids | set(params.stop_token_ids)
+        mixing = [] if params.interpolation is None else [ReferenceMixing(self.reference, params.interpolation, attention_mask)]
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -72,6 +143,7 @@ class HFBackend:
             top_k=None if params.greedy or params.top_k == 0 else params.top_k,
             eos_token_id=sorted(stop_ids),
             pad_token_id=self.pad_id,
+            logits_processor=mixing or None,
             return_dict_in_generate=True,
             output_logits=True,
             use_cache=True,
@@ -102,12 +174,18 @@ class HFBackend:
                 outs = self._generate_batch([seqs[k][1] for k in idx], params)
                 for k, (tokens, lps, reason) in zip(idx, outs):
                     results[k] = Generation(seqs[k][0], seqs[k][1], tokens, lps, reason)
+        for which in ("policy", "reference"):
+            wanted = [k for k, g in enumerate(results) if requests[g.request_index].embedding == which]
+            if wanted:
+                vectors = self.embed([(results[k].prompt_ids, results[k].response_ids) for k in wanted], which)
+                for k, v in zip(wanted, vectors):
+                    results[k].embedding = v
         return results
 
 
-def make_backend(name: str, model_dir: str, batch_size: int, **options) -> RolloutBackend:
+def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str | None = None, **options) -> RolloutBackend:
     if name == "hf":
-        return HFBackend(model_dir, batch_size=batch_size)
+        return HFBackend(model_dir, batch_size=batch_size, reference_dir=reference_dir)
     if name == "vllm":
         try:
             from actors.vllm_backend import VLLMBackend
@@ -120,10 +198,12 @@ def make_backend(name: str, model_dir: str, batch_size: int, **options) -> Rollo
 class RolloutWorker:
     """One rollout role: a backend plus the policy version it currently holds."""
 
-    def __init__(self, model_dir: str, backend: str = "hf", batch_size: int = 64, threads: int = 1, index: int = 0):
+    def __init__(self, model_dir: str, backend: str = "hf", batch_size: int = 64, threads: int = 1, index: int = 0,
+                 reference_dir: str | None = None):
         torch.set_num_threads(threads)
         self.index = index
-        self.backend = make_backend(backend, model_dir, batch_size)
+        # the reference defaults to model_dir: the initial policy, as the ReferenceWorker loads it
+        self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir)
         self.version = 0
         self.tokens_generated = 0
         self.generate_seconds = 0.0
