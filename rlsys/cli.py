@@ -11,6 +11,17 @@ import sys
 from pathlib import Path
 
 
+def _resume(args) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").exists():
+        from rlsys.config import ConfigError
+
+        raise ConfigError(f"config error: {run_dir} is not a run directory (no config.yaml)")
+    args.config, args.resume = str(run_dir / "config.yaml"), True
+    args.overrides = [f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *args.overrides]
+    return _run(args)
+
+
 def _run(args) -> int:
     from rlsys.cluster import init_ray
     from rlsys.config import load_config
@@ -24,13 +35,35 @@ def _run(args) -> int:
 
     controller = Controller(cfg, Path(cfg.run.output_dir) / cfg.run.name, progress=not args.no_progress)
     run_dir = controller.run_dir
-    summary = controller.run()
+    summary = controller.run(resume=args.resume)
     print(
         f"run {summary['run']} ({summary['algorithm']}) finished {summary['steps']} steps in "
         f"{summary['seconds']:.0f} s: held-out accuracy {summary['eval_accuracy_before_rl']:.3f} after warm-up -> "
         f"{summary['eval_accuracy_after_rl']:.3f} after RL; run dir {summary['run_dir']}"
     )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def _submit(args) -> int:
+    from algorithms.base import build_algorithm
+    from rlsys import jobs
+    from rlsys.config import load_config
+
+    build_algorithm(load_config(args.config, args.overrides))  # a bad config fails here, not on the cluster
+    print(jobs.submit(args.address, args.config, args.overrides))
+    return 0
+
+
+def _job_command(args) -> int:
+    from rlsys import jobs
+
+    if args.command == "status":
+        print(jobs.status(args.address, args.job))
+    elif args.command == "logs":
+        jobs.logs(args.address, args.job, follow=args.follow)
+    elif args.command == "stop":
+        print("stopped" if jobs.stop(args.address, args.job) else "not running")
     return 0
 
 
@@ -50,7 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.kl_coef=0.02")
     run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
     run.set_defaults(func=_run)
+    resume = sub.add_parser("resume", help="continue a run from its latest readable checkpoint")
+    resume.add_argument("run_dir")
+    resume.add_argument("overrides", nargs="*", help="e.g. trainer.steps=100 to train further")
+    resume.add_argument("--no-progress", action="store_true")
+    resume.set_defaults(func=_resume)
+    default_address = os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265")
+    submit = sub.add_parser("submit", help="submit a run to a Ray cluster (Ray Jobs API)")
+    submit.add_argument("config")
+    submit.add_argument("overrides", nargs="*")
+    submit.add_argument("--address", default=default_address)
+    submit.set_defaults(func=_submit)
+    for name, text in (("status", "a job's status"), ("logs", "a job's logs"), ("stop", "stop a job")):
+        j = sub.add_parser(name, help=text)
+        j.add_argument("job")
+        j.add_argument("--address", default=default_address)
+        if name == "logs":
+            j.add_argument("--follow", "-f", action="store_true")
+        j.set_defaults(func=_job_command)
     for name, module, prefix in (
         ("sandbox", "sandbox.cli", []),
         ("quantize", "rlsys.quantize.cli", []),
@@ -64,12 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from envs.datasets import DatasetError
+    from rlsys.checkpoint import CheckpointError
     from rlsys.config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, DatasetError) as e:
+    except (ConfigError, DatasetError, CheckpointError) as e:
         print(str(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: 
     """Ray reads its auth settings when first imported, so for an embedded cluster the
     environment is set before `import ray` (callers must not have imported it yet)."""
     quiet = dict(log_to_driver=True, logging_level="WARNING")
+    address = address or os.environ.get("RAY_ADDRESS")  # set for drivers of submitted jobs
     if address:
         import ray
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import socket
 import sys
@@ -260,39 +261,111 @@ class Controller:
         correct = [self.task.is_correct(prompts[g.request_index].meta, t) for g, t in zip(gens, texts)]
         return {"accuracy": float(np.mean(correct)), "n": float(len(correct))}
 
-    def run(self) -> dict:
-        from rlsys.tracking import Tracker
+    # ---- checkpoints -------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Learner (DeepSpeed: model, optimizer, scheduler on every rank), buffer, data cursor,
+        RNG states, algorithm state, step/version, config and an HF export; atomically."""
+        from rlsys import checkpoint
+
+        root = self.run_dir / "checkpoints"
+        tmp = checkpoint.staging_dir(root, self.step)
+        ray.get([l.save.remote(str(tmp / "learner")) for l in self.learners])
+        ray.get(self.learners[0].export_hf.remote(str(tmp / "hf")))
+        self.tokenizer.save_pretrained(str(tmp / "hf" / "tokenizer"))
+        ray.get(self.buffer.save.remote(str(tmp / "buffer.parquet")))
+        state = {
+            "step": self.step,
+            "policy_version": self.ctx.policy_version,
+            "data_cursor": self.stream.state(),
+            "controller_rng": self.ctx.rng.bit_generator.state,
+            "buffer_rng": ray.get(self.buffer.rng_state.remote()),
+            "algorithm": self.algorithm.state(),
+        }
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        (tmp / "config.yaml").write_text(dump_config(self.cfg))
+        return checkpoint.commit(root, tmp, self.step, self.cfg.trainer.keep_checkpoints)
+
+    def restore(self) -> Path:
+        """Load the newest readable checkpoint; say so in one line for each one skipped."""
+        from rlsys import checkpoint
+
+        tried = checkpoint.candidates(self.run_dir / "checkpoints")
+        if not tried:
+            raise checkpoint.CheckpointError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
+        for i, path in enumerate(tried):
+            try:
+                checkpoint.verify(path)
+                state = json.loads((path / "state.json").read_text())
+                ray.get([l.load.remote(str(path / "learner")) for l in self.learners])
+                ray.get(self.buffer.load.remote(str(path / "buffer.parquet")))
+            except Exception as e:  # any unreadable part: report it and try the previous one
+                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                nxt = f"falling back to {tried[i + 1].name}" if i + 1 < len(tried) else "no older checkpoint left"
+                print(f"rlsys: checkpoint {path.name} is unreadable ({reason[:200]}); {nxt}", file=sys.stderr)
+                continue
+            self.step = state["step"]
+            self.stream.load_state(state["data_cursor"])
+            self.ctx.rng.bit_generator.state = state["controller_rng"]
+            ray.get(self.buffer.set_rng_state.remote(state["buffer_rng"]))
+            self.algorithm.load_state(state["algorithm"])
+            self.sync_weights(state["policy_version"])
+            return path
+        raise checkpoint.CheckpointError(f"no readable checkpoint in {self.run_dir / 'checkpoints'}")
+
+    # ---- the whole run -------------------------------------------------------------------
+    def run(self, resume: bool = False) -> dict:
+        from rlsys.tracking import Tracker, read_jsonl
+
+        from rlsys.checkpoint import CheckpointError, candidates
 
         cfg = self.cfg
+        if resume and not candidates(self.run_dir / "checkpoints"):
+            raise CheckpointError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
+        if not resume and ((self.run_dir / "metrics.jsonl").exists() or (self.run_dir / "checkpoints").exists()):
+            raise CheckpointError(f"run dir {self.run_dir} already holds a run: resume it (rlsys resume {self.run_dir}) "
+                                  f"or pick another run.name")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         t0 = time.perf_counter()
         policy_dir = self.prepare_policy()
         self.start_actors(policy_dir)
         tracker = Tracker(self.run_dir)
-        first = self.evaluate()
-        tracker.log_eval(self.step, "heldout", first, self.ctx.policy_version)
-        bar = _bar(cfg.trainer.steps, f"{cfg.algorithm.name}", self.progress)
-        last_eval = first
+        if resume:
+            path = self.restore()
+            tracker.truncate_after(self.step)
+            print(f"rlsys: resumed {cfg.run.name} from {path.name} (step {self.step})", file=sys.stderr)
+            evals = read_jsonl(tracker.evals_path)
+            first = evals[0] if evals else self.evaluate()
+            last_eval = evals[-1] if evals else first
+        else:
+            first = last_eval = self.evaluate()
+            tracker.log_eval(self.step, "heldout", first, self.ctx.policy_version)
+        every = cfg.trainer.checkpoint_every
+        bar = _bar(cfg.trainer.steps, f"{cfg.algorithm.name}", self.progress, initial=self.step)
         while self.step < cfg.trainer.steps:
             metrics = self.train_step()
-            tracker.log(self.step, metrics)
-            if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 or self.step == cfg.trainer.steps:
+            last_step = self.step == cfg.trainer.steps
+            if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 or last_step:
                 last_eval = self.evaluate()
                 tracker.log_eval(self.step, "heldout", last_eval, self.ctx.policy_version)
+            if every and (self.step % every == 0 or last_step):
+                with self.ctx.timed("checkpoint"):
+                    self.save_checkpoint()
+                metrics["time/checkpoint"] = self.ctx.timings["checkpoint"]
+            tracker.log(self.step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}")
             bar.update()
         bar.close()
         tracker.close()
-        summary = {
+        return {
             "run": cfg.run.name, "algorithm": cfg.algorithm.name, "steps": self.step,
             "eval_accuracy_before_rl": first["accuracy"], "eval_accuracy_after_rl": last_eval["accuracy"],
             "seconds": time.perf_counter() - t0, "run_dir": str(self.run_dir),
         }
-        return summary
 
 
-def _bar(total: int, desc: str, enabled: bool):
+def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=True)
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, initial=initial,
+                mininterval=1.0 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)

@@ -36,14 +36,26 @@ class Tracker:
         self.writer.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows logged after `step` (a resumed run re-logs them)."""
+        """Drop rows logged after `step` (a resumed run logs them again)."""
         for path in (self.metrics_path, self.evals_path):
-            if path.exists():
-                rows = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= step]
-                path.write_text("".join(r + "\n" for r in rows))
+            rows = [r for r in read_jsonl(path) if r["step"] <= step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def close(self) -> None:
         self.writer.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a jsonl log; a last line cut short by a kill is ignored."""
+    if not Path(path).exists():
+        return []
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
 
 
 def _clean(v):

@@ -1,0 +1,81 @@
+"""Ray Jobs: submit a run to a cluster, follow it, stop it (Job Submission API).
+
+The job's entrypoint is `python -m rlsys.cli run CONFIG ...` with this directory as its
+working dir; its run dir is written under this directory's `runs/` (an absolute path,
+so on a remote cluster that path must be shared storage, or set run.output_dir).
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+EXCLUDES = [".venv", ".git", "runs", "**/__pycache__", "*.egg-info", ".cache", ".pytest_cache"]
+
+
+def warn_if_not_loopback(address: str) -> None:
+    host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"rlsys: warning: {address} is not a loopback address; use Ray's token authentication "
+              f"(RAY_AUTH_MODE=token) for a cluster reachable from the network", file=sys.stderr)
+
+
+def client(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    warn_if_not_loopback(address)
+    return JobSubmissionClient(address)
+
+
+def submit(address: str, config: str, overrides: list[str], workdir: str = ".") -> str:
+    workdir = Path(workdir).resolve()
+    output_dir = f"run.output_dir={workdir / 'runs'}"
+    args = ["python", "-m", "rlsys.cli", "run", config, output_dir, *overrides, "--no-progress"]
+    deadline = time.time() + 120
+    while True:
+        try:
+            return client(address).submit_job(
+                entrypoint=" ".join(shlex.quote(a) for a in args),
+                runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES},
+            )
+        except (ConnectionError, RuntimeError) as e:
+            # a head node that is still starting refuses connections, then has no job agent for a while
+            starting = isinstance(e, ConnectionError) or "No available agent" in str(e)
+            if not starting or time.time() > deadline:
+                raise
+            time.sleep(2)
+
+
+def status(address: str, job_id: str) -> str:
+    return str(client(address).get_job_status(job_id).value)
+
+
+def wait(address: str, job_id: str, timeout: float = 3600.0, poll: float = 1.0) -> str:
+    terminal = {"SUCCEEDED", "FAILED", "STOPPED"}
+    deadline = time.time() + timeout
+    while (s := status(address, job_id)) not in terminal:
+        if time.time() > deadline:
+            raise TimeoutError(f"job {job_id} still {s} after {timeout:.0f} s")
+        time.sleep(poll)
+    return s
+
+
+def logs(address: str, job_id: str, follow: bool = False) -> None:
+    c = client(address)
+    if not follow:
+        sys.stdout.write(c.get_job_logs(job_id))
+        return
+    import asyncio
+
+    async def tail():
+        async for chunk in c.tail_job_logs(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    asyncio.run(tail())
+
+
+def stop(address: str, job_id: str) -> bool:
+    return client(address).stop_job(job_id)

@@ -1,0 +1,83 @@
+"""Ray Jobs on a real head node started with `ray start --head` on loopback, token auth."""
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+TINY = [
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+    "task.num_train=100", "task.num_eval=8", "task.max_value=9", "sft.steps=2",
+    "trainer.prompts_per_step=2", "trainer.eval_every=0", "rollout.max_new_tokens=3", "trainer.steps=2",
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head_node():
+    temp = Path(f"/tmp/rlsys-test-head-{os.getpid()}")
+    temp.mkdir(parents=True, exist_ok=True)
+    token = temp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    dash = free_port()
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    # --block keeps `ray start` in the foreground as the parent of this cluster's processes, so
+    # teardown stops exactly this cluster (`ray stop` would kill every Ray cluster on the machine).
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                             f"--port={free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+                             "--num-cpus=4", f"--temp-dir={temp}", "--include-dashboard=true",
+                             "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    yield f"http://127.0.0.1:{dash}", env
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+
+
+def cli(env, *args, timeout=300):
+    p = subprocess.run([sys.executable, "-m", "rlsys.cli", *args], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.strip()
+
+
+def test_submit_follow_and_stop(head_node, tmp_path):
+    address, env = head_node
+    job = cli(env, "submit", "configs/quickstart.yaml", *TINY, "run.name=job_a", f"run.output_dir={tmp_path}",
+              "--address", address).splitlines()[-1]
+    second = cli(env, "submit", "configs/quickstart.yaml", *TINY, "run.name=job_b", "trainer.steps=1000",
+                 f"run.output_dir={tmp_path}", "--address", address).splitlines()[-1]
+    assert cli(env, "stop", second, "--address", address) == "stopped"
+    deadline = time.time() + 600
+    while (state := cli(env, "status", job, "--address", address)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.time() < deadline
+        time.sleep(2)
+    logs = cli(env, "logs", job, "--address", address)
+    assert state == "SUCCEEDED", logs[-3000:]
+    assert "finished 2 steps" in logs
+    rows = [json.loads(l) for l in (tmp_path / "job_a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    while (s2 := cli(env, "status", second, "--address", address)) not in ("STOPPED", "FAILED", "SUCCEEDED"):
+        time.sleep(1)
+    assert s2 == "STOPPED"
