@@ -72,7 +72,7 @@ class ReferenceMixing:
             new = input_ids[:, self.seen :]
             ones = torch.ones_like(new, dtype=self.attention_mask.dtype)
             self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
-            positions = self.last_position[:, None] + 1 + torch.arange(new.shape[1])
+            positions = self.last_position[:, None] + 1 + torch.arange(new.shape[1], device=new.device)
         out = self.reference(input_ids=new, attention_mask=self.attention_mask, position_ids=positions,
                              use_cache=True, **{self.cache_arg: self.cache})
         self.seen, self.last_position = input_ids.shape[1], positions[:, -1]
@@ -224,6 +224,11 @@ class RolloutWorker:
 
     def policy_version(self) -> int:
         return self.version
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def stats(self) -> dict:
         return {"index": self.index, "version": self.version, "tokens": self.tokens_generated, "seconds": self.generate_seconds}
