@@ -35,6 +35,20 @@ def limit(res, soft, hard=None):
     resource.setrlimit(res, (soft, hard))
 
 
+def oom_kills():
+    """How many times the kernel's OOM killer fired in this cgroup (v1 or v2), or None."""
+    for path in ("/sys/fs/cgroup/memory/memory.oom_control", "/sys/fs/cgroup/memory.events"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+    return None
+
+
 def fail(msg):
     sys.stderr.write("rlsys-bootstrap: " + msg + "\n")
     sys.exit(125)
@@ -56,6 +70,7 @@ except Exception as e:  # noqa: BLE001 - any failure here is the sandbox's, not 
     fail("setup failed: %r" % (e,))
 
 lim = job["limits"]
+ooms = oom_kills() if job.get("report_oom") else None
 pid = os.fork()
 if pid == 0:
     try:
@@ -79,4 +94,6 @@ if job["kill_leftovers"]:
         pass
 for d in job["wipe"]:
     wipe(d)
+if ooms is not None and oom_kills() is not None:  # the host strips this line from stderr
+    os.write(2, ("\nrlsys-bootstrap: oom_kill=%d\n" % (oom_kills() - ooms)).encode())
 sys.exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))

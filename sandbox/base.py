@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -141,6 +143,18 @@ def bootstrap_argv(job: dict) -> list[str]:
     return [PYTHON, "-E", "-s", "-c", BOOTSTRAP, *(blob[i:i + ARG_CHUNK] for i in range(0, len(blob), ARG_CHUNK))]
 
 
+OOM_MARK = "rlsys-bootstrap: oom_kill="
+
+
+def take_oom_report(stderr: str) -> tuple[str, bool | None]:
+    """Split the bootstrap's OOM report (its last stderr line, with `report_oom`) off the
+    job's stderr: (stderr, whether the OOM killer fired during the job, None if unknown)."""
+    head, sep, tail = stderr.rpartition("\n" + OOM_MARK)
+    if not sep or not tail.strip().isdigit():
+        return stderr, None
+    return head, int(tail) > 0
+
+
 def decode(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
@@ -169,3 +183,33 @@ def outcome(exit_code: int | None, *, timed_out: bool, output_exceeded: bool, oo
             signame = f"signal {sig}"
         return "killed", f"killed by {signame}"
     return "failed", ""
+
+
+def unavailable(name: str, **config) -> str:
+    """Why backend `name` cannot run here ("" when it can): one line, for a skip reason
+    or an error message. Starts nothing but a ping of the engine."""
+    import os
+    import shutil
+
+    if name == "bwrap":
+        rootfs = config.get("rootfs") or os.environ.get("RLSYS_SANDBOX_ROOTFS")
+        if not shutil.which(config.get("bwrap", "bwrap")):
+            return "bubblewrap (bwrap) is not installed"
+        if not rootfs or not (Path(rootfs) / PYTHON.lstrip("/")).exists():
+            return f"no sandbox root filesystem with {PYTHON} (RLSYS_SANDBOX_ROOTFS={rootfs!r})"
+        return ""
+    if name == "docker":
+        try:
+            import docker
+
+            url = config.get("base_url") or os.environ.get("DOCKER_HOST")
+            client = docker.DockerClient(base_url=url, timeout=5) if url else docker.from_env(timeout=5)
+            try:
+                client.ping()
+                client.images.get(config.get("image", "rlsys-sandbox:py3"))
+            finally:
+                client.close()
+        except Exception as e:  # noqa: BLE001 - any failure is the reason
+            return f"Docker-API engine unusable ({os.environ.get('DOCKER_HOST', 'default socket')}): {type(e).__name__}: {e}"[:300]
+        return ""
+    return "" if name in backend_names() else f"unknown sandbox backend {name!r}"

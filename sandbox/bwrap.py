@@ -79,6 +79,7 @@ class BwrapBackend(base.BaseBackend):
                 kill()
                 code = proc.wait()
             wall = time.monotonic() - start
+            code = 128 - code if code < 0 else code  # killed by a signal: 128 + signal, as the bootstrap reports
             oom = bool(cg and cg.oom_killed())
         finally:
             kill()

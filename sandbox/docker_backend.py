@@ -88,6 +88,7 @@ class DockerBackend(base.BaseBackend):
                 self._remove(c)
 
     def _exec(self, c, job: dict, limits: Limits, start: float) -> ExecResult:
+        job = {**job, "report_oom": True}  # the container's cgroup is the job's: its OOM count is visible inside
         exec_id = self.api.exec_create(c.id, base.bootstrap_argv(job), user=NOBODY, workdir="/work",
                                        environment=base.ENV)["Id"]
         stream = self.api.exec_start(exec_id, stream=True, demux=True)
@@ -120,9 +121,9 @@ class DockerBackend(base.BaseBackend):
         code = self.api.exec_inspect(exec_id).get("ExitCode")
         if not finished.is_set():  # the stream did not end even after the kill
             self._remove(c)
-        stderr = base.decode(bytes(err))
-        # No per-job cgroup here: the container's memory cgroup kills with SIGKILL.
-        oom = code == 137 and not timed_out and not any(over)
+        stderr, oom = base.take_oom_report(base.decode(bytes(err)))
+        if oom is None:  # no report: the bootstrap itself was killed, most likely by the OOM killer
+            oom = code == 137 and not timed_out and not any(over)
         status, why = base.outcome(code, timed_out=timed_out, output_exceeded=any(over) and not timed_out,
                                    oom=oom, stderr=stderr, limits=limits)
         return ExecResult(status, code, base.decode(bytes(out)), stderr, over[0], over[1], wall, error=why)
