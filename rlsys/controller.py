@@ -75,6 +75,8 @@ class ActorContext:
         self.rng = np.random.default_rng(seed)
         self.timings: dict[str, float] = defaultdict(float)
         self.tokens_generated = 0
+        self.restarted_workers = 0
+        self.weights_ref = None  # the newest synced weights (None: the initial policy on disk)
 
     @contextmanager
     def timed(self, phase: str):
@@ -92,18 +94,24 @@ class ActorContext:
         return int(self.rng.integers(0, 2**31 - 1))
 
     def generate(self, requests):
-        """Contiguous shares of the requests to each worker; results back in request order."""
+        """Contiguous shares of the requests to each worker; results back in request order.
+        A worker that Ray restarted after a crash comes back with the initial weights: it is
+        given the current ones and its share generated again, so no sample is stale or lost."""
         with self.timed("generate"):
             shares = np.array_split(np.arange(len(requests)), len(self.workers))
-            futures = []
+            calls = []
             for w, (worker, idx) in enumerate(zip(self.workers, shares)):
-                if len(idx) == 0:
-                    continue
-                part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w)) for i in idx]
-                futures.append((idx, worker.generate.remote(part)))
+                if len(idx):
+                    part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w)) for i in idx]
+                    calls.append((worker, idx, part, worker.generate.remote(part)))
             out = []
-            for idx, fut in futures:
-                for g in ray.get(fut):
+            for worker, idx, part, fut in calls:
+                gens = ray.get(fut)
+                if any(g.policy_version != self.policy_version for g in gens):
+                    self.restarted_workers += 1
+                    ray.get(worker.load_weights.remote(self.policy_version, self.weights_ref))
+                    gens = ray.get(worker.generate.remote(part))
+                for g in gens:
                     g.request_index = int(idx[g.request_index])
                     out.append(g)
             self.tokens_generated += sum(len(g.response_ids) for g in out)
@@ -247,7 +255,7 @@ class Controller:
                 f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
                 f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
         ray.get(ready + refs[1:])
-        self.ctx.policy_version = version
+        self.ctx.policy_version, self.ctx.weights_ref = version, refs[0]
         ray.get(self.buffer.set_policy_version.remote(version))
 
     def evaluate(self, split: str = "eval") -> dict[str, float]:

@@ -63,3 +63,25 @@ def test_ppo_and_rloo_run(ray_cluster, tmp_path, algorithm):
     assert len(rows) == 2 and summary["steps"] == 2
     if algorithm == "ppo":
         assert "loss/value" in rows[0]
+
+
+def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cluster, tmp_path):
+    import os
+    import signal
+
+    from rlsys.controller import Controller
+    from rlsys.generation import GenerationRequest
+
+    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=faults"])
+    c = Controller(cfg, tmp_path / "faults", progress=False)
+    c.start_actors(c.prepare_policy())
+    c.sync_weights(1)  # the workers now hold version 1; a restarted one would come back at 0
+    worker = c.workers[0]
+    requests = [GenerationRequest(p.prompt_ids, c.ctx.sampling(n=3, seed=5)) for p in c.stream.next(8)]
+    pid = ray_cluster.get(worker.pid.remote())
+    os.kill(pid, signal.SIGKILL)  # dies before/while serving its share of the next call
+    gens = c.ctx.generate(requests)
+    assert sorted(g.request_index for g in gens) == sorted(list(range(8)) * 3)
+    assert {g.policy_version for g in gens} == {1}
+    assert c.ctx.restarted_workers == 1
+    assert ray_cluster.get(worker.pid.remote()) != pid
