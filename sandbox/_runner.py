@@ -1,6 +1,6 @@
 # The test runner. Runs INSIDE the sandbox (standard library only) as
-# `python3 _rlsys_runner.py NONCE`. It loads the tests, deletes their file so the program
-# cannot read expected outputs, runs the program once, then every assert-style test in
+# `python3 _rlsys_runner.py`. It loads the tests and the report nonce, deletes their file
+# so the program can read neither, runs the program once, then every assert-style test in
 # its namespace and every stdin/stdout case as a child process. One JSON line per test,
 # prefixed by NONCE, goes to a private copy of stdout. A test that never reports (the
 # program called os._exit, timed out, ...) counts as failed on the host.
@@ -11,9 +11,8 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 
-NONCE = sys.argv[1]
-OUT = os.dup(1)  # survives the program closing or redirecting its stdout
 TESTS_FILE = "_rlsys_tests.json"
 with open(TESTS_FILE) as f:
     spec = json.load(f)
@@ -22,9 +21,16 @@ sys.argv = ["main.py"]
 MAX_REPR = 300
 
 
-def report(name, passed, message=""):
-    line = "%s %s\n" % (NONCE, json.dumps({"name": name, "passed": passed, "message": message[-2000:]}))
-    os.write(OUT, line.encode())
+def reporter(nonce, out):
+    """`report(name, passed, message)`; the nonce and the private stdout copy (it survives
+    the program closing or redirecting fd 1) live only in this closure, not in a global."""
+    def report(name, passed, message=""):
+        line = "%s %s\n" % (nonce, json.dumps({"name": name, "passed": passed, "message": message[-2000:]}))
+        os.write(out, line.encode())
+    return report
+
+
+report = reporter(spec.pop("nonce"), os.dup(1))
 
 
 def short(value):
@@ -61,7 +67,11 @@ def error_tail(exc, filename):
 SOURCES = {}
 asserts = [t for t in spec["tests"] if t["kind"] == "assert"]
 ios = [t for t in spec["tests"] if t["kind"] == "io"]
-namespace = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
+# The program gets a __main__ module of its own, not this runner's.
+main_module = types.ModuleType("__main__")
+main_module.__file__ = "main.py"
+sys.modules["__main__"] = main_module
+namespace = main_module.__dict__
 program_error = None
 if asserts:
     try:

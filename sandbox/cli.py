@@ -40,11 +40,20 @@ def main(argv: list[str]) -> int:
         if not args.rootfs_only:
             print(f"RLSYS_SANDBOX_IMAGE={import_image(rootfs, args.docker_host, force=args.force, log=say)}")
         return 0
-    code = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
-    stdin = Path(args.stdin).read_bytes() if args.stdin else b""
+    try:
+        code = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+        stdin = Path(args.stdin).read_bytes() if args.stdin else b""
+    except OSError as e:
+        print(f"sandbox: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
     limits = Limits(wall_time_s=args.timeout, cpu_time_s=args.timeout, memory_mb=args.memory)
     config = {"isolation": args.isolation} if args.backend == "docker" else {}
-    backend = make_backend(args.backend, **config)
+    try:
+        backend = make_backend(args.backend, **config)
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback
+        print(f"sandbox: the {args.backend} backend is unusable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return 2
     try:
         result = backend.run(ExecRequest(code, stdin=stdin, limits=limits, id=os.path.basename(args.file)))
     finally:

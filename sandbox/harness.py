@@ -17,20 +17,24 @@ def wrap(req: ExecRequest) -> tuple[dict[str, bytes], list[str], str]:
     """Files and argv that run `req.tests` against `req.code`, and the nonce that marks
     the runner's report lines on stdout."""
     nonce = "RLSYS-" + secrets.token_hex(8)
-    spec = {"tests": [asdict(t) for t in req.tests], "wall_time_s": req.limits.wall_time_s}
+    # The nonce travels in the tests file, which the runner deletes before the program
+    # starts: in argv the program could read it from /proc/self/cmdline and forge reports.
+    spec = {"tests": [asdict(t) for t in req.tests], "wall_time_s": req.limits.wall_time_s, "nonce": nonce}
     files = {RUNNER_NAME: RUNNER, "_rlsys_tests.json": json.dumps(spec).encode()}
-    return files, [RUNNER_NAME, nonce], nonce
+    return files, [RUNNER_NAME], nonce
 
 
 def finish(res: ExecResult, req: ExecRequest, nonce: str) -> ExecResult:
     """Strip the report lines from stdout and fill `tests`; a test without a report
     failed. Status: ok when every test passed, failed when one did not, unless the run
     itself hit a limit (timeout, oom, killed) or the sandbox failed (error)."""
-    reports, kept = {}, []
+    reports, kept, forged = {}, [], set()
     for line in res.stdout.splitlines(keepends=True):
         if line.startswith(nonce + " "):
             try:
                 r = json.loads(line[len(nonce) + 1:])
+                if r["name"] in reports:  # each test reports once: a second report is forged
+                    forged.add(r["name"])
                 reports[r["name"]] = r
             except (ValueError, KeyError):
                 pass
@@ -44,7 +48,12 @@ def finish(res: ExecResult, req: ExecRequest, nonce: str) -> ExecResult:
         ordinal = sum(1 for u in req.tests[:i] if u.kind == t.kind)
         name = t.name or (f"test_{ordinal}" if t.kind == "assert" else f"case_{ordinal}")
         r = reports.get(name)
-        tests.append(TestResult(name, bool(r["passed"]), r["message"]) if r else TestResult(name, False, f"not run: {why}"))
+        if name in forged:
+            tests.append(TestResult(name, False, "more than one report for this test: the program forged one"))
+        elif r:
+            tests.append(TestResult(name, bool(r["passed"]), r["message"]))
+        else:
+            tests.append(TestResult(name, False, f"not run: {why}"))
     status = res.status
     if status in ("ok", "failed"):
         status = "ok" if all(t.passed for t in tests) else "failed"

@@ -31,6 +31,7 @@ class TestCase:
     passes when it raises nothing. `kind="io"`: the program runs with `stdin` and passes
     when its stdout equals `expected_stdout` (trailing whitespace per line ignored)."""
 
+    __test__ = False  # not a pytest class
     name: str = ""
     kind: Literal["assert", "io"] = "assert"
     code: str = ""
@@ -41,6 +42,7 @@ class TestCase:
 
 @dataclass
 class TestResult:
+    __test__ = False
     name: str
     passed: bool
     message: str = ""  # why it failed: expected vs got, or the error's tail

@@ -18,3 +18,28 @@ def ray_cluster(tmp_path_factory):
 
     yield ray
     ray.shutdown()
+
+
+def sandbox_skip_reason(name: str) -> str:
+    """Why the sandbox tests for backend `name` skip here, or "" when they run."""
+    if os.environ.get("RLSYS_SANDBOX_SETUP_ERROR"):
+        return "sandbox setup failed: " + os.environ["RLSYS_SANDBOX_SETUP_ERROR"]
+    if not os.environ.get("RLSYS_SANDBOX_READY"):
+        return "RLSYS_SANDBOX_READY unset: source the output of .ci/setup_sandbox.sh"
+    from sandbox.base import unavailable
+
+    return unavailable(name)
+
+
+@pytest.fixture(scope="module", params=["bwrap", "docker"])
+def sandbox_backend(request):
+    """A real sandbox backend, each of bwrap and docker in turn (one instance per test
+    module: for docker, one warm container reused across runs)."""
+    why = sandbox_skip_reason(request.param)
+    if why:
+        pytest.skip(why)
+    from sandbox import make_backend
+
+    backend = make_backend(request.param)
+    yield backend
+    backend.close()

@@ -13,30 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import ExecRequest, Limits, make_backend
-from sandbox.base import unavailable
+from sandbox import ExecRequest, Limits
 
 pytestmark = pytest.mark.sandbox
 NOBODY = 65534
 
 
-def skip_reason(name: str) -> str:
-    """Why the sandbox tests for backend `name` skip, or ""."""
-    if os.environ.get("RLSYS_SANDBOX_SETUP_ERROR"):
-        return "sandbox setup failed: " + os.environ["RLSYS_SANDBOX_SETUP_ERROR"]
-    if not os.environ.get("RLSYS_SANDBOX_READY"):
-        return "RLSYS_SANDBOX_READY unset: source the output of .ci/setup_sandbox.sh"
-    return unavailable(name)
-
-
-@pytest.fixture(scope="module", params=["bwrap", "docker"])
-def backend(request):
-    why = skip_reason(request.param)
-    if why:
-        pytest.skip(why)
-    b = make_backend(request.param)
-    yield b
-    b.close()
+@pytest.fixture
+def backend(sandbox_backend):
+    """bwrap, then docker (tests/conftest.py); skips with the reason where one is unusable."""
+    return sandbox_backend
 
 
 def run(backend, code: str, **limits):
