@@ -84,7 +84,9 @@ else
     [ -f "$STATE/podman.pid" ] && kill "$(cat "$STATE/podman.pid")" 2>/dev/null
     rm -f "$STATE/podman.sock"
     log "starting podman system service on $SOCK"
-    setsid podman system service --time=0 "$SOCK" > "$STATE/podman.log" 2>&1 < /dev/null &
+    # In $STATE: conmon inherits the service's working dir and drops an `oom` file there
+    # when a container runs out of memory.
+    (cd "$STATE" && exec setsid podman system service --time=0 "$SOCK" > "$STATE/podman.log" 2>&1 < /dev/null) &
     echo $! > "$STATE/podman.pid"
     for _ in $(seq 60); do ping && break; sleep 0.5; done
     ping || fail "podman system service did not answer on $SOCK (see $STATE/podman.log)"
