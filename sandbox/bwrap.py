@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from . import base
-from .cgroups import JobCgroup
+from .cgroups import JobCgroup, sweep_stale
 from .procio import collect
 from .types import ExecResult, Limits
 
@@ -38,6 +38,8 @@ class BwrapBackend(base.BaseBackend):
         self.rootfs = rootfs or "/"
         self.cgroups = cgroups
         self.root = os.geteuid() == 0
+        if cgroups and self.root:
+            sweep_stale()  # what a worker killed mid-run left behind
 
     def command(self, job: dict, limits: Limits) -> list[str]:
         tmpfs = str(limits.tmpfs_mb << 20)

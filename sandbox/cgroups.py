@@ -134,3 +134,24 @@ class JobCgroup:
                     break
                 except OSError:  # still busy for a moment after the kill
                     time.sleep(0.01)
+
+
+def sweep_stale(max_age_s: float = 60.0) -> int:
+    """Remove job cgroups left behind by a worker that died mid-run: empty ones older than
+    `max_age_s` (a live job's cgroup is empty only in the instant between its creation
+    and the job joining it). Returns how many were removed."""
+    removed = 0
+    now = time.time()
+    for parent in [ROOT / PARENT, *(ROOT / c / PARENT for c in ("memory", "pids", "cpu", "unified"))]:
+        try:
+            children = [d for d in parent.iterdir() if d.is_dir() and d.name.startswith("job-")]
+        except OSError:
+            continue
+        for d in children:
+            try:
+                if now - d.stat().st_ctime >= max_age_s and not _read(d / "cgroup.procs").split():
+                    d.rmdir()
+                    removed += 1
+            except OSError:
+                pass
+    return removed

@@ -275,6 +275,29 @@ def test_pool_replaces_a_stuck_worker(pool):
     assert pool.metrics.summary()["replaced_workers"] >= 2
 
 
+def test_stale_job_cgroups_are_swept():
+    from sandbox.cgroups import JobCgroup, layout, sweep_stale
+
+    if os.geteuid() != 0 or layout() == "none":
+        pytest.skip("needs root and a writable cgroup tree")
+    empty, busy = JobCgroup.create("job-test-empty", Limits()), JobCgroup.create("job-test-busy", Limits())
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        for path in busy.procs:
+            path.write_text(str(sleeper.pid))
+        sweep_stale(max_age_s=3600)
+        assert all(d.exists() for d in empty.dirs.values()), "a fresh job cgroup was removed"
+        sweep_stale(max_age_s=0)
+        assert not any(d.exists() for d in empty.dirs.values()), "an empty job cgroup was left"
+        assert all(d.exists() for d in busy.dirs.values()), "a live job's cgroup was removed"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        busy.kill()
+        busy.remove()
+        empty.remove()
+
+
 # ---------------------------------------------------------------- the CLI
 
 def rlsys(*args, **kw):
