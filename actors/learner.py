@@ -114,6 +114,13 @@ class Learner:
         forward = lambda ids, mask: self.module(ids, mask, self.temperature)[2]
         return per_response_tokens(forward, table)
 
+    @torch.no_grad()
+    def logprobs(self, table: pa.Table) -> list[list[float]]:
+        """log pi of each response token under the current weights (DA-KD's student CE)."""
+        self.engine.eval()
+        forward = lambda ids, mask: self.module(ids, mask, self.temperature)[1]
+        return per_response_tokens(forward, table)
+
     def weights(self) -> dict[str, np.ndarray] | None:
         """The policy's weights (HF state-dict names) as numpy on rank 0; None on other ranks.
         Under ZeRO-3 every rank must call this (the parameters are gathered collectively)."""

@@ -21,3 +21,15 @@ class ReferenceWorker:
         """log pi_ref of each response token, aligned with `response_ids`."""
         forward = lambda ids, mask: forward_logprobs(self.model, ids, mask, self.temperature)[1]
         return per_response_tokens(forward, table, self.batch_size)
+
+    def top_logprobs(self, table: pa.Table, k: int = 0) -> list[tuple[list[list[int]], list[list[float]]]]:
+        """The k most likely next tokens (all of them when k is 0) and their log pi at each
+        response position: a distillation teacher's distribution, one (ids, logprobs) per row."""
+        def forward(ids, mask):
+            logp = torch.log_softmax(forward_logprobs(self.model, ids, mask, self.temperature)[0].float(), dim=-1)
+            top = logp.topk(k or logp.shape[-1], dim=-1)
+            return torch.cat([top.indices.float(), top.values], dim=-1)  # ids < 2**24 are exact in float32
+
+        rows = per_response_tokens(forward, table, self.batch_size)
+        width = len(rows[0][0]) // 2 if rows and rows[0] else 0
+        return [([[int(i) for i in t[:width]] for t in r], [t[width:] for t in r]) for r in rows]

@@ -15,11 +15,16 @@ from algorithms.common import masked_mean
 from rlsys.batch import TrainBatch, collate_ids
 
 
-def sft_batch(tokenizer, rows: Sequence[dict], task) -> TrainBatch:
-    """prompt + answer + eos, with the loss on the answer and eos."""
+def sft_ids(tokenizer, rows: Sequence[dict], task) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of each row's prompt and of its answer + eos."""
     prompts = [tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in rows]
     answers = [tokenizer(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
-    return collate_ids(prompts, answers, pad_id=tokenizer.pad_token_id)
+    return prompts, answers
+
+
+def sft_batch(tokenizer, rows: Sequence[dict], task) -> TrainBatch:
+    """prompt + answer + eos, with the loss on the answer and eos."""
+    return collate_ids(*sft_ids(tokenizer, rows, task), pad_id=tokenizer.pad_token_id)
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ class ActorContext:
         self.tokens_generated = 0
         self.restarted_workers = 0
         self.weights_ref = None  # the newest synced weights (None: the initial policy on disk)
+        self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
 
     @contextmanager
     def timed(self, phase: str):
@@ -129,6 +130,18 @@ class ActorContext:
         with self.timed("values"):
             return ray.get(self.learners[0].values.remote(table))
 
+    def policy_logprobs(self, table):
+        with self.timed("policy_logprobs"):
+            return ray.get(self.learners[0].logprobs.remote(table))
+
+    def teacher_logprobs(self, table):
+        with self.timed("teacher"):
+            return ray.get(self.teacher.logprobs.remote(table))
+
+    def teacher_top_logprobs(self, table, k: int = 0):
+        with self.timed("teacher"):
+            return ray.get(self.teacher.top_logprobs.remote(table, k))
+
 
 def _worker_seeded(params: SamplingParams, worker: int) -> SamplingParams:
     return params if params.seed is None else dataclasses.replace(params, seed=params.seed + 7919 * worker)
@@ -179,6 +192,8 @@ class Controller:
 
         cfg = self.cfg
         r, l = cfg.rollout, cfg.learner
+        teacher_dir = getattr(self.algorithm, "teacher_dir", None)  # DA-KD: trained or checked before any actor
+        teacher_dir = teacher_dir and teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)
         opts = dict(max_restarts=-1, max_task_retries=2)
         self.workers = [
             ray.remote(RolloutWorker).options(num_cpus=0.5, **opts).remote(
@@ -201,6 +216,8 @@ class Controller:
         ray.get([a.ready.remote() for a in self.learners])
         self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.workers, self.reference, self.reward,
                                 self.learners, cfg.run.seed)
+        if teacher_dir:
+            self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
         prompts = [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))]
         self.stream = PromptStream(prompts, cfg.run.seed)
 
