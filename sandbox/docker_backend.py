@@ -76,10 +76,11 @@ class DockerBackend(base.BaseBackend):
             self._warm = None
 
     def _execute(self, job: dict, limits: Limits) -> ExecResult:
-        c = self._container(limits)
+        job = {**job, "report_oom": True}  # the container's cgroup is the job's: its OOM count is visible inside
+        c, exec_id = self._start_exec(job, limits)
         start = time.monotonic()
         try:
-            return self._exec(c, job, limits, start)
+            return self._exec(c, exec_id, limits, start)
         except Exception:
             self._remove(c)  # a container in an unknown state is not reused
             raise
@@ -87,10 +88,23 @@ class DockerBackend(base.BaseBackend):
             if self.isolation == "fresh":
                 self._remove(c)
 
-    def _exec(self, c, job: dict, limits: Limits, start: float) -> ExecResult:
-        job = {**job, "report_oom": True}  # the container's cgroup is the job's: its OOM count is visible inside
-        exec_id = self.api.exec_create(c.id, base.bootstrap_argv(job), user=NOBODY, workdir="/work",
-                                       environment=base.ENV)["Id"]
+    def _start_exec(self, job: dict, limits: Limits):
+        """(container, exec id) for the job. A warm container that died since its last job
+        (engine restart, removed, its init killed) is replaced once."""
+        import docker
+
+        for attempt in (0, 1):
+            c = self._container(limits)
+            try:
+                return c, self.api.exec_create(c.id, base.bootstrap_argv(job), user=NOBODY, workdir="/work",
+                                               environment=base.ENV)["Id"]
+            except docker.errors.APIError:
+                self._remove(c)
+                if attempt or self.isolation == "fresh":
+                    raise
+        raise AssertionError("unreachable")
+
+    def _exec(self, c, exec_id: str, limits: Limits, start: float) -> ExecResult:
         stream = self.api.exec_start(exec_id, stream=True, demux=True)
         out, err = bytearray(), bytearray()
         over = [False, False]

@@ -4,6 +4,7 @@ worker replaced (a dead worker's run is retried once), and metrics."""
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 from collections import Counter, deque
@@ -18,9 +19,11 @@ GRACE_S = 30.0  # beyond the run's own wall limit before the pool gives up on a 
 
 
 def one_line(e: BaseException | None) -> str:
-    """`Type: first line of the message`, at most 300 characters."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    """`Type: message` in one line of at most 300 characters. For an error that carries a
+    traceback (a worker whose constructor raised), the message is the root cause's line."""
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines() if ln.strip()]
+    cause = next((ln for ln in reversed(lines) if re.match(r"^[\w.]+(Error|Exception): ", ln)), None)
+    return f"{type(e).__name__}: {cause or (lines[0] if lines else '')}"[:300]
 
 
 @ray.remote(max_restarts=0)

@@ -81,6 +81,20 @@ def test_files_and_stdin_reach_the_program(backend):
     assert (res.status, res.stdout) == ("ok", "7 from stdin f\n"), res
 
 
+def test_docker_replaces_a_dead_warm_container():
+    need("docker")
+    b = make_backend("docker")
+    try:
+        assert b.run(ExecRequest("print(1)")).stdout == "1\n"
+        b._warm[0].kill()  # its init gone, as after an engine restart
+        res = b.run(ExecRequest("print(2)"))
+        assert (res.status, res.stdout) == ("ok", "2\n"), res
+        b._warm[0].remove(force=True)
+        assert b.run(ExecRequest("print(3)")).stdout == "3\n"
+    finally:
+        b.close()
+
+
 # ---------------------------------------------------------------- test harness
 
 def test_assert_tests_report_per_test(backend):
@@ -223,6 +237,25 @@ def test_pool_returns_results_in_request_order(pool):
     assert summary["statuses"]["ok"] >= 6 and summary["statuses"]["error"] >= 1
     assert summary["queue_wait_p95_s"] > 0, "8 requests on 2 workers: some waited in the queue"
     assert summary["queue_wait_mean_s"] <= summary["queue_wait_p95_s"] and summary["retries"] == 0
+
+
+def test_pool_on_docker_and_on_an_unusable_engine(cluster):
+    need("docker")
+    from sandbox.pool import SandboxPool
+
+    pool = SandboxPool("docker", workers=2)
+    try:
+        res = pool.run_many([ExecRequest(f"print({i})", id=str(i)) for i in range(4)])
+        assert [(r.status, r.stdout, r.backend) for r in res] == [("ok", f"{i}\n", "docker-warm") for i in range(4)]
+    finally:
+        pool.close()
+    broken = SandboxPool("docker", workers=1, base_url="unix:///nonexistent/engine.sock")
+    try:
+        res = broken.run(ExecRequest("print(1)", id="x"))
+        assert (res.status, res.id) == ("error", "x") and "died twice" in res.error, res
+        assert "DockerException: Error while fetching server API version" in res.error, res.error
+    finally:
+        broken.close()
 
 
 def kill_soon(pool, how: str, delay: float = 1.0):
