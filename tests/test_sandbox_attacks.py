@@ -130,6 +130,20 @@ def test_writing_outside_the_work_dir_fails(backend):
     assert "evil" not in Path("/etc/passwd").read_text()
 
 
+def test_filling_the_disk_hits_the_file_size_and_tmpfs_limits(backend):
+    code = ("import json, os\nout = {}\nblock = b'x' * (1 << 20)\n"
+            "def fill(path, mb):\n    try:\n        with open(path, 'wb') as f:\n            for _ in range(mb):\n"
+            "                f.write(block)\n        return 'ok'\n    except OSError as e:\n        return os.strerror(e.errno)\n"
+            "out['one_big_file'] = fill('/work/big', 64)\n"
+            "out['many_files'] = [fill('/tmp/f%d' % i, 12) for i in range(8)]\nprint(json.dumps(out))\n")
+    res = run(backend, code, file_size_mb=16, tmpfs_mb=64, wall_time_s=20)
+    assert res.status == "ok", res
+    got = report(res)
+    assert got["one_big_file"] == "File too large", got
+    assert "No space left on device" in got["many_files"], got
+    assert_host_clean(backend)
+
+
 def test_reading_shadow_and_host_home_fails(backend, tmp_path):
     secret = secrets.token_hex(16)
     (tmp_path / "secret.txt").write_text(secret)
