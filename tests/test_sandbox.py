@@ -95,6 +95,21 @@ def test_docker_replaces_a_dead_warm_container():
         b.close()
 
 
+def test_docker_fresh_mode_uses_a_container_per_run_and_removes_it():
+    need("docker")
+    b = make_backend("docker", isolation="fresh")
+    try:
+        def ours():
+            return {c.id for c in b.client.containers.list(all=True, filters={"label": "rlsys-sandbox=1"})}
+
+        before = ours()
+        ids = [b.run(ExecRequest("print(open('/proc/1/cgroup').read().split('/')[-1].strip())")) for _ in range(2)]
+        assert [r.status for r in ids] == ["ok", "ok"] and ids[0].stdout != ids[1].stdout, ids
+        assert ids[0].backend == "docker-fresh" and ours() == before, "a fresh container was left behind"
+    finally:
+        b.close()
+
+
 # ---------------------------------------------------------------- test harness
 
 def test_assert_tests_report_per_test(backend):
