@@ -86,10 +86,16 @@ class HFBackend:
     serves interpolated sampling and reference embeddings; it is loaded on first use."""
 
     def __init__(self, model_dir: str, batch_size: int = 64, model=None, reference_dir: str | None = None,
-                 reference=None):
+                 reference=None, quantized: str | None = None):
         from rlsys.models import load_model
 
         quiet_transformers()
+        self.requantize = None  # (group size, bit maps) when serving a SliM-LLM quantised policy
+        if quantized:
+            from rlsys.quantize import load_quantized
+            from rlsys.quantize.model import quantized_bit_maps
+
+            model, self.requantize = load_quantized(quantized), quantized_bit_maps(quantized)
         self.model = model if model is not None else load_model(model_dir)
         self.model.eval()
         self.reference_dir = reference_dir or model_dir
@@ -101,7 +107,12 @@ class HFBackend:
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else next(iter(self.eos_ids))
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """New policy weights; a quantised policy re-rounds them on its saved bit maps."""
         load_numpy_state(self.model, weights)
+        if self.requantize is not None:
+            from rlsys.quantize.model import requantize
+
+            requantize(self.model, self.requantize[1], self.requantize[0])
 
     @property
     def reference(self):
@@ -183,9 +194,12 @@ class HFBackend:
         return results
 
 
-def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str | None = None, **options) -> RolloutBackend:
+def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str | None = None,
+                 quantized: str | None = None, **options) -> RolloutBackend:
     if name == "hf":
-        return HFBackend(model_dir, batch_size=batch_size, reference_dir=reference_dir)
+        return HFBackend(model_dir, batch_size=batch_size, reference_dir=reference_dir, quantized=quantized)
+    if quantized:
+        raise ValueError(f"rollout.quantized is served by the hf backend only, not {name}")
     if name == "vllm":
         try:
             from actors.vllm_backend import VLLMBackend
@@ -199,11 +213,11 @@ class RolloutWorker:
     """One rollout role: a backend plus the policy version it currently holds."""
 
     def __init__(self, model_dir: str, backend: str = "hf", batch_size: int = 64, threads: int = 1, index: int = 0,
-                 reference_dir: str | None = None):
+                 reference_dir: str | None = None, quantized: str | None = None):
         torch.set_num_threads(threads)
         self.index = index
         # the reference defaults to model_dir: the initial policy, as the ReferenceWorker loads it
-        self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir)
+        self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir, quantized=quantized)
         self.version = 0
         self.tokens_generated = 0
         self.generate_seconds = 0.0

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -70,7 +70,18 @@ class RolloutConfig(Section):
     batch_size: int = Field(64, ge=1, description="sequences per generate call")
     eval_greedy: bool = True
     kv_cache: Literal["full", "specache"] = "full"
-    quantized: Optional[str] = None
+    quantized: Optional[str] = Field(None, description="SliM-LLM quantised dir (rlsys quantize) to serve, hf backend")
+
+    @field_validator("quantized")
+    @classmethod
+    def _quantized_dir(cls, v, info):
+        if v is None:
+            return v
+        if info.data.get("backend") != "hf":
+            raise ValueError("is served by rollout.backend 'hf' only")
+        if not ((Path(v) / "quantize_config.json").exists() and (Path(v) / "quantized.safetensors").exists()):
+            raise ValueError("must be a directory written by `rlsys quantize` (quantize_config.json, quantized.safetensors)")
+        return v
 
 
 class LearnerConfig(Section):

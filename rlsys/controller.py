@@ -197,7 +197,7 @@ class Controller:
         opts = dict(max_restarts=-1, max_task_retries=2)
         self.workers = [
             ray.remote(RolloutWorker).options(num_cpus=0.5, **opts).remote(
-                str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i)
+                str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized)
             for i in range(r.num_workers)
         ]
         temperature = r.temperature if r.temperature > 0 else 1.0

@@ -262,3 +262,23 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path))
     return model.eval()
+
+
+def quantized_bit_maps(path: str | os.PathLike) -> tuple[int, dict[str, torch.Tensor]]:
+    """The group size and each quantised linear's per-group bit map saved at `path`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+        return meta["group_size"], {name: f.get_tensor(f"{name}.bits").to(torch.int64) for name in meta["layers"]}
+
+
+@torch.no_grad()
+def requantize(model: nn.Module, bit_maps: dict[str, torch.Tensor], group_size: int) -> None:
+    """Round each listed linear's current weight to nearest on its saved bit map, in place: a
+    served quantised policy keeps SliM-LLM's salience-determined allocation when new weights
+    arrive (no calibration data at the server, so no GPTQ compensation or scale search)."""
+    for name, bits in bit_maps.items():
+        lin = model.get_submodule(name)
+        lin.weight.copy_(rtn_quantize(lin.weight.float(), bits, group_size).dequantize().to(lin.weight.dtype))
