@@ -9,7 +9,8 @@ student finds hard:
        DDS(x) = CE_student(x) / CE_teacher(x)
    high when the teacher is confident and the student is not;
 2. keep ratio of epoch e of E (`keep_ratio`): cosine r_e = 0.5 cos(pi e / E) + 0.5 (default)
-   or linear r_e = 1 - e / E; the epoch trains on n_e = round(r_e N) samples (`subset_size`);
+   or linear r_e = 1 - e / E (`full`, r_e = 1, is plain full-data KD, the baseline); the
+   epoch trains on n_e = round(r_e N) samples (`subset_size`);
 3. stratified subset (`stratified_subset`): sort by DDS descending, D_high = the top n_e,
    D_low = the rest; draw (1 - tau) n_e samples from D_high and tau n_e from D_low;
 4. loss (`bdl`): P_m = (1 - lambda) p + lambda q, Q_m = lambda p + (1 - lambda) q,
@@ -56,14 +57,16 @@ def difficulty_scores(ce_student: Sequence[float], ce_teacher: Sequence[float], 
 
 
 def keep_ratio(epoch: int, epochs: int, schedule: str = "cosine") -> float:
-    """r_e = 0.5 cos(pi e / E) + 0.5 (cosine) or 1 - e / E (linear), e = 0..E-1; an epoch past
-    the schedule keeps the last epoch's ratio."""
+    """r_e = 0.5 cos(pi e / E) + 0.5 (cosine), 1 - e / E (linear) or 1 (full: the full-data KD
+    baseline), e = 0..E-1; an epoch past the schedule keeps the last epoch's ratio."""
     e = min(epoch, epochs - 1)
     if schedule == "cosine":
         return 0.5 * math.cos(math.pi * e / epochs) + 0.5
     if schedule == "linear":
         return 1.0 - e / epochs
-    raise ValueError(f"unknown keep-ratio schedule {schedule!r} (cosine, linear)")
+    if schedule == "full":
+        return 1.0
+    raise ValueError(f"unknown keep-ratio schedule {schedule!r} (cosine, linear, full)")
 
 
 def subset_size(n: int, ratio: float) -> int:
@@ -147,7 +150,7 @@ class TeacherConfig(AlgorithmConfig):
 
 class DistillConfig(AlgorithmConfig):
     epochs: int = Field(6, ge=1, description="E: epochs of the keep-ratio schedule")
-    schedule: Literal["cosine", "linear"] = "cosine"
+    schedule: Literal["cosine", "linear", "full"] = Field("cosine", description="full: plain KD on all data")
     tau: float = Field(0.1, ge=0, le=1, description="share of each epoch drawn from the easy part D_low")
     bdl_lambda: float = Field(0.9, ge=0, le=1, description="lambda of the bidirectional discrepancy loss")
     top_k: int = Field(0, ge=0, description="teacher tokens per position (0: the whole distribution)")
@@ -188,7 +191,12 @@ class DAKD:
             sizes = t.model_dump(include={"hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads"})
             model = build_tiny_model(TinyModelSpec(**sizes), tokenizer, seed=seed + 1)
-            warmup(model, tokenizer, task, task.rows("train"), t.sft_steps, t.batch_size, t.lr, seed)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # in the driver, beside the actors: one core
+            try:
+                warmup(model, tokenizer, task, task.rows("train"), t.sft_steps, t.batch_size, t.lr, seed)
+            finally:
+                torch.set_num_threads(threads)
             save_model_dir(model, tokenizer, out)
         return out
 

@@ -81,6 +81,7 @@ def test_keep_ratio_schedules():
                                                                   0.5 * math.cos(3 * math.pi / 4) + 0.5])
     assert [keep_ratio(e, 4, "linear") for e in range(4)] == pytest.approx([1.0, 0.75, 0.5, 0.25])
     assert keep_ratio(9, 4) == keep_ratio(3, 4)  # past the schedule: the last epoch's ratio
+    assert [keep_ratio(e, 4, "full") for e in range(4)] == [1.0] * 4
     with pytest.raises(ValueError, match="cosine, linear"):
         keep_ratio(0, 4, "step")
 

@@ -1,0 +1,195 @@
+"""DA-KD side by side with full-data KD: sample-steps for the DA-KD student to reach the
+full-data KD student's final held-out loss (../shared/papers/dakd.md; goal: at most half).
+
+A tiny teacher is trained on the arithmetic task (SFT warm-up), then two identical smaller
+students are distilled with the same BDL loss, optimizer and batch size for E epochs: one on
+every sample each epoch (`schedule: full`), one with DA-KD's cosine keep ratio and stratified
+subset. Both go through the plug-in's own rollout -> prepare -> loss (algorithms/distill.py),
+with the teacher and the live student served in-process. The held-out loss is the BDL of the
+student to the teacher over the eval split's answer tokens.
+
+    .venv/bin/python benchmarks/distill.py      # ~1-2 min on 2 CPU cores (one thread)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.modeling import PolicyOnly, per_response_tokens  # noqa: E402
+from actors.reference import ReferenceWorker  # noqa: E402
+from algorithms.base import ModelOutputs  # noqa: E402
+from algorithms.distill import DAKD, schedule_steps  # noqa: E402
+from envs.arithmetic import ArithmeticTask  # noqa: E402
+from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer  # noqa: E402
+
+
+class LiveContext:
+    """The RolloutContext DA-KD needs: the teacher worker and the student being trained."""
+
+    def __init__(self, task, tokenizer, teacher: ReferenceWorker, student, seed: int):
+        self.task, self.tokenizer, self.teacher, self.student = task, tokenizer, teacher, student
+        self.policy_version, self.rng, self.scored = 0, np.random.default_rng(seed), 0
+
+    def next_seed(self):
+        return int(self.rng.integers(0, 2**31 - 1))
+
+    def policy_logprobs(self, table):
+        self.scored += table.num_rows
+        self.student.eval()
+        out = per_response_tokens(lambda ids, mask: self.student(ids, mask)[1], table)
+        self.student.train()
+        return out
+
+    def teacher_logprobs(self, table):
+        return self.teacher.logprobs(table)
+
+    def teacher_top_logprobs(self, table, k=0):
+        return self.teacher.top_logprobs(table, k)
+
+
+@torch.no_grad()
+def heldout_loss(algo: DAKD, ctx: LiveContext, batch) -> float:
+    ctx.student.eval()
+    logits, logprobs, _ = ctx.student(batch.input_ids, batch.attention_mask)
+    ctx.student.train()
+    return algo.loss(ModelOutputs(logits, logprobs), batch)[0].item()
+
+
+def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tuple[int, float]], float]:
+    """(samples seen, held-out loss) after every `eval_every` steps of one student, and its
+    final held-out accuracy."""
+    from rlsys.models import load_model
+
+    algo = DAKD(DAKD.Config(epochs=args.epochs, schedule=schedule, tau=args.tau, bdl_lambda=args.lam, top_k=args.top_k))
+    student = PolicyOnly(load_model(args.student_dir))
+    ctx = LiveContext(task, tok, teacher, student, args.seed)
+    heldout = DAKD(algo.config)
+    heldout_batch = heldout.prepare(heldout_table(heldout, ctx, eval_rows))
+    opt = torch.optim.AdamW(student.parameters(), lr=args.lr)
+    steps = schedule_steps(args.num_train, args.epochs, args.batch, schedule)
+    decay = (lambda s: 0.5 * (1 + math.cos(math.pi * s / steps))) if args.lr_schedule == "cosine" else (lambda s: 1.0)
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)  # the paper: AdamW, cosine decay over the run
+    curve, samples = [(0, heldout_loss(algo, ctx, heldout_batch))], 0
+    student.train()
+    for step in range(1, steps + 1):
+        batch = algo.prepare(algo.rollout(ctx, [None] * args.batch))
+        logits, logprobs, _ = student(batch.input_ids, batch.attention_mask)
+        loss, _ = algo.loss(ModelOutputs(logits, logprobs), batch)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        lr_schedule.step()
+        samples += len(batch)
+        if step % args.eval_every == 0 or step == steps:
+            curve.append((samples, heldout_loss(algo, ctx, heldout_batch)))
+    print(f"  {schedule:>6}: {steps} steps, {samples} sample-steps, {ctx.scored} scoring forwards, "
+          f"final held-out BDL {curve[-1][1]:.4f}", file=sys.stderr)
+    return curve, accuracy(student.policy, task, tok, eval_rows)
+
+
+def heldout_table(algo: DAKD, ctx, rows):
+    """The eval split as DA-KD rows, with the teacher's distribution (same code path as training)."""
+    from algorithms.sft import sft_ids
+
+    algo._data = sft_ids(ctx.tokenizer, rows, ctx.task)
+    algo.order, algo.position, algo.epoch = list(range(len(rows))), 0, 0
+    return algo.rollout(ctx, [None] * len(rows))
+
+
+@torch.no_grad()
+def accuracy(model, task, tok, rows) -> float:
+    """Greedy held-out accuracy through the rollout worker's transformers backend."""
+    from actors.rollout import HFBackend
+    from rlsys.generation import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    requests = [GenerationRequest(tok(task.prompt_text(r), add_special_tokens=False)["input_ids"], params) for r in rows]
+    gens = HFBackend("", model=model.eval()).generate(requests)
+    texts = tok.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+    return float(np.mean([task.is_correct(rows[g.request_index], t) for g, t in zip(gens, texts)]))
+
+
+def first_reaching(curve, target: float):
+    return next((s for s, loss in curve if loss <= target), None)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-train", type=int, default=1024)
+    p.add_argument("--num-eval", type=int, default=200)
+    p.add_argument("--max-value", type=int, default=49)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine")
+    p.add_argument("--tau", type=float, default=0.1)
+    p.add_argument("--lam", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--teacher", default="128,384,2", help="hidden,intermediate,layers of the teacher")
+    p.add_argument("--student", default="48,144,2", help="hidden,intermediate,layers of the student")
+    p.add_argument("--teacher-steps", type=int, default=1500)
+    p.add_argument("--eval-every", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--curves", action="store_true", help="print both held-out loss curves")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from algorithms.sft import warmup
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="dakd-bench-"))
+    task = ArithmeticTask.create(root / "data", args.num_train, args.num_eval, 0, args.max_value, ["+"], args.seed)
+    tok = train_tokenizer(task.corpus(), 512)
+
+    def spec(text):
+        h, i, l = map(int, text.split(","))
+        return TinyModelSpec(hidden_size=h, intermediate_size=i, num_hidden_layers=l, num_attention_heads=4,
+                             num_key_value_heads=2)
+
+    teacher_model = build_tiny_model(spec(args.teacher), tok, seed=args.seed + 1)
+    losses = warmup(teacher_model, tok, task, task.rows("train"), args.teacher_steps, 32, 3e-3, args.seed)
+    teacher_dir = save_model_dir(teacher_model, tok, root / "teacher")
+    args.student_dir = save_model_dir(build_tiny_model(spec(args.student), tok, seed=args.seed + 2), tok, root / "student")
+    teacher = ReferenceWorker(str(teacher_dir), threads=args.threads)
+    print(f"teacher {args.teacher} trained {args.teacher_steps} steps (SFT loss {np.mean(losses[-20:]):.3f}) "
+          f"in {time.perf_counter() - t0:.0f} s; student {args.student}", file=sys.stderr)
+    eval_rows = task.rows("eval")
+    (full, full_acc), (dakd, dakd_acc) = (distill(s, args, task, tok, teacher, eval_rows) for s in ("full", "cosine"))
+    teacher_acc = accuracy(teacher.model, task, tok, eval_rows)
+    target = full[-1][1]
+    full_total, full_reach, dakd_reach = full[-1][0], first_reaching(full, target), first_reaching(dakd, target)
+    print(f"\nDA-KD vs full-data KD, {args.epochs} epochs of {args.num_train} samples, batch {args.batch}, "
+          f"BDL lambda {args.lam}, tau {args.tau}; target = full-data KD's final held-out BDL {target:.4f}")
+    print(f"{'':24}{'full-data KD':>14}{'DA-KD':>10}")
+    print(f"{'sample-steps in total':24}{full_total:>14}{dakd[-1][0]:>10}")
+    print(f"{'final held-out BDL':24}{target:>14.4f}{dakd[-1][1]:>10.4f}")
+    budget = next((loss for s, loss in full if s >= dakd[-1][0]), full[-1][1])
+    print(f"{'BDL at DA-KD budget':24}{budget:>14.4f}{dakd[-1][1]:>10.4f}   (full-data KD after {dakd[-1][0]} sample-steps)")
+    print(f"{'held-out accuracy':24}{full_acc:>14.3f}{dakd_acc:>10.3f}   (teacher {teacher_acc:.3f})")
+    print(f"{'sample-steps to target':24}{full_reach:>14}{dakd_reach if dakd_reach is not None else 'never':>10}")
+    if dakd_reach is not None:
+        print(f"ratio DA-KD / full-data KD sample-steps: {dakd_reach / full_total:.3f} (goal <= 0.5)")
+    else:
+        print("ratio: DA-KD did not reach the target within its schedule")
+    if args.curves:
+        for name, curve in (("full", full), ("DA-KD", dakd)):
+            print(f"{name:>6} curve: " + " ".join(f"{s}:{loss:.3f}" for s, loss in curve))
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
