@@ -4,7 +4,7 @@ full-data KD student's final held-out loss (../shared/papers/dakd.md; goal: at m
 A tiny teacher is trained on the arithmetic task (SFT warm-up), then two identical smaller
 students are distilled with the same BDL loss, optimizer and batch size for E epochs: one on
 every sample each epoch (`schedule: full`), one with DA-KD's cosine keep ratio and stratified
-subset. Both go through the plug-in's own rollout -> prepare -> loss (algorithms/distill.py),
+subset, and, as an ablation, one with the same schedule on random instead of DDS scores. Both go through the plug-in's own rollout -> prepare -> loss (algorithms/distill.py),
 with the teacher and the live student served in-process. The held-out loss is the BDL of the
 student to the teacher over the eval split's answer tokens.
 
@@ -30,6 +30,13 @@ from algorithms.base import ModelOutputs  # noqa: E402
 from algorithms.distill import DAKD, schedule_steps  # noqa: E402
 from envs.arithmetic import ArithmeticTask  # noqa: E402
 from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer  # noqa: E402
+
+
+class RandomSubset(DAKD):
+    """Ablation: DA-KD's schedule and stratified split, on random scores instead of DDS."""
+
+    def scores(self, ctx):
+        return np.random.default_rng(ctx.next_seed()).random(len(self.data(ctx)[0]))
 
 
 class LiveContext:
@@ -69,7 +76,8 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
     final held-out accuracy."""
     from rlsys.models import load_model
 
-    algo = DAKD(DAKD.Config(epochs=args.epochs, schedule=schedule, tau=args.tau, bdl_lambda=args.lam, top_k=args.top_k))
+    label, (cls, schedule) = schedule, (RandomSubset, "cosine") if schedule == "random" else (DAKD, schedule)
+    algo = cls(DAKD.Config(epochs=args.epochs, schedule=schedule, tau=args.tau, bdl_lambda=args.lam, top_k=args.top_k))
     student = PolicyOnly(load_model(args.student_dir))
     ctx = LiveContext(task, tok, teacher, student, args.seed)
     heldout = DAKD(algo.config)
@@ -92,7 +100,7 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
         samples += len(batch)
         if step % args.eval_every == 0 or step == steps:
             curve.append((samples, heldout_loss(algo, ctx, heldout_batch)))
-    print(f"  {schedule:>6}: {steps} steps, {samples} sample-steps, {ctx.scored} scoring forwards, "
+    print(f"  {label:>6}: {steps} steps, {samples} sample-steps, {ctx.scored} scoring forwards, "
           f"final held-out BDL {curve[-1][1]:.4f}", file=sys.stderr)
     return curve, accuracy(student.policy, task, tok, eval_rows)
 
@@ -167,25 +175,26 @@ def main(argv=None) -> int:
     print(f"teacher {args.teacher} trained {args.teacher_steps} steps (SFT loss {np.mean(losses[-20:]):.3f}) "
           f"in {time.perf_counter() - t0:.0f} s; student {args.student}", file=sys.stderr)
     eval_rows = task.rows("eval")
-    (full, full_acc), (dakd, dakd_acc) = (distill(s, args, task, tok, teacher, eval_rows) for s in ("full", "cosine"))
+    (full, full_acc), (dakd, dakd_acc), (rand, rand_acc) = (distill(s, args, task, tok, teacher, eval_rows)
+                                                            for s in ("full", "cosine", "random"))
     teacher_acc = accuracy(teacher.model, task, tok, eval_rows)
     target = full[-1][1]
     full_total, full_reach, dakd_reach = full[-1][0], first_reaching(full, target), first_reaching(dakd, target)
     print(f"\nDA-KD vs full-data KD, {args.epochs} epochs of {args.num_train} samples, batch {args.batch}, "
           f"BDL lambda {args.lam}, tau {args.tau}; target = full-data KD's final held-out BDL {target:.4f}")
-    print(f"{'':24}{'full-data KD':>14}{'DA-KD':>10}")
-    print(f"{'sample-steps in total':24}{full_total:>14}{dakd[-1][0]:>10}")
-    print(f"{'final held-out BDL':24}{target:>14.4f}{dakd[-1][1]:>10.4f}")
+    print(f"{'':24}{'full-data KD':>14}{'DA-KD':>10}{'random subset':>15}")
+    print(f"{'sample-steps in total':24}{full_total:>14}{dakd[-1][0]:>10}{rand[-1][0]:>15}")
+    print(f"{'final held-out BDL':24}{target:>14.4f}{dakd[-1][1]:>10.4f}{rand[-1][1]:>15.4f}")
     budget = next((loss for s, loss in full if s >= dakd[-1][0]), full[-1][1])
     print(f"{'BDL at DA-KD budget':24}{budget:>14.4f}{dakd[-1][1]:>10.4f}   (full-data KD after {dakd[-1][0]} sample-steps)")
-    print(f"{'held-out accuracy':24}{full_acc:>14.3f}{dakd_acc:>10.3f}   (teacher {teacher_acc:.3f})")
+    print(f"{'held-out accuracy':24}{full_acc:>14.3f}{dakd_acc:>10.3f}{rand_acc:>15.3f}   (teacher {teacher_acc:.3f})")
     print(f"{'sample-steps to target':24}{full_reach:>14}{dakd_reach if dakd_reach is not None else 'never':>10}")
     if dakd_reach is not None:
         print(f"ratio DA-KD / full-data KD sample-steps: {dakd_reach / full_total:.3f} (goal <= 0.5)")
     else:
         print("ratio: DA-KD did not reach the target within its schedule")
     if args.curves:
-        for name, curve in (("full", full), ("DA-KD", dakd)):
+        for name, curve in (("full", full), ("DA-KD", dakd), ("random", rand)):
             print(f"{name:>6} curve: " + " ".join(f"{s}:{loss:.3f}" for s, loss in curve))
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0

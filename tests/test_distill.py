@@ -245,3 +245,15 @@ def test_distill_config_runs_on_a_local_cluster(ray_cluster, tmp_path):
     assert "distill/dds_mean" in rows[3] and all(r["loss/bdl"] > 0 and math.isfinite(r["loss/bdl"]) for r in rows)
     state = json.loads((tmp_path / "distill" / "checkpoints" / "step_4" / "state.json").read_text())["algorithm"]
     assert state["epoch"] == 1 and state["position"] == 16 and len(state["order"]) == 30
+
+
+def test_teacher_path_must_share_the_students_tokenizer(tiny, tmp_path):
+    from algorithms.distill import TeacherConfig
+    from rlsys.models import train_tokenizer
+
+    task, tok, (_, teacher) = tiny
+    algo = DAKD(DAKD.Config(teacher=TeacherConfig(path=str(teacher))))
+    assert algo.teacher_dir(tmp_path, task, tok, 0) == teacher
+    other = train_tokenizer(["completely different text for another vocabulary"] * 3, 300, split_digits=False)
+    with pytest.raises(ConfigError, match=r"^config error: algorithm.teacher.path = .*tokenizer differs[^\n]*$"):
+        algo.teacher_dir(tmp_path, task, other, 0)
