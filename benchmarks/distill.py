@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--teacher", default="128,384,2", help="hidden,intermediate,layers of the teacher")
     p.add_argument("--student", default="48,144,2", help="hidden,intermediate,layers of the student")
     p.add_argument("--teacher-steps", type=int, default=1500)
+    p.add_argument("--student-sft-steps", type=int, default=0, help="warm-up of the student before distillation")
     p.add_argument("--eval-every", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -170,7 +171,10 @@ def main(argv=None) -> int:
     teacher_model = build_tiny_model(spec(args.teacher), tok, seed=args.seed + 1)
     losses = warmup(teacher_model, tok, task, task.rows("train"), args.teacher_steps, 32, 3e-3, args.seed)
     teacher_dir = save_model_dir(teacher_model, tok, root / "teacher")
-    args.student_dir = save_model_dir(build_tiny_model(spec(args.student), tok, seed=args.seed + 2), tok, root / "student")
+    student_model = build_tiny_model(spec(args.student), tok, seed=args.seed + 2)
+    if args.student_sft_steps:  # the paper's students start pretrained: a short warm-up on the task
+        warmup(student_model, tok, task, task.rows("train"), args.student_sft_steps, 32, 3e-3, args.seed + 3)
+    args.student_dir = save_model_dir(student_model, tok, root / "student")
     teacher = ReferenceWorker(str(teacher_dir), threads=args.threads)
     print(f"teacher {args.teacher} trained {args.teacher_steps} steps (SFT loss {np.mean(losses[-20:]):.3f}) "
           f"in {time.perf_counter() - t0:.0f} s; student {args.student}", file=sys.stderr)
