@@ -86,7 +86,7 @@ class HFBackend:
     serves interpolated sampling and reference embeddings; it is loaded on first use."""
 
     def __init__(self, model_dir: str, batch_size: int = 64, model=None, reference_dir: str | None = None,
-                 reference=None, quantized: str | None = None):
+                 reference=None, quantized: str | None = None, specache: dict | None = None):
         from rlsys.models import load_model
 
         quiet_transformers()
@@ -101,6 +101,7 @@ class HFBackend:
         self.reference_dir = reference_dir or model_dir
         self._reference = reference.eval() if reference is not None else None
         self.batch_size = batch_size
+        self.specache = specache  # SpeCache two-tier KV cache settings (k, bits, window); None: full cache
         cfg = self.model.config
         eos = cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
@@ -143,6 +144,8 @@ class HFBackend:
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float], str]]:
         input_ids, attention_mask = pad_sequences(prompts, self.pad_id, left=True)
         stop_ids = self.eos_ids | set(params.stop_token_ids)
+        if self.specache is not None and params.interpolation is None:
+            return self._specache_batch(input_ids, attention_mask, params, stop_ids)
         mixing = [] if params.interpolation is None else [ReferenceMixing(self.reference, params.interpolation, attention_mask)]
         out = self.model.generate(
             input_ids=input_ids,
@@ -166,6 +169,21 @@ class HFBackend:
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
         results = []
         for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
+            tokens, reason = cut_at_stop(row, stop_ids)
+            results.append((tokens, lp[: len(tokens)], reason))
+        return results
+
+    def _specache_batch(self, input_ids, attention_mask, params: SamplingParams, stop_ids: set[int]):
+        """Decode with the SpeCache cache (rlsys.kvcache): low-bit keys/values in the fast tier,
+        the top-k full-precision pairs fetched per step. Same logprob convention as `generate`."""
+        from rlsys.kvcache.generate import specache_generate
+
+        sequences, logprobs, _ = specache_generate(
+            self.model, input_ids, attention_mask, params.max_new_tokens, **self.specache,
+            temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p, top_k=params.top_k,
+            eos_token_id=sorted(stop_ids), pad_token_id=self.pad_id)
+        results = []
+        for row, lp in zip(sequences[:, input_ids.shape[1]:].tolist(), logprobs.tolist()):
             tokens, reason = cut_at_stop(row, stop_ids)
             results.append((tokens, lp[: len(tokens)], reason))
         return results
@@ -195,9 +213,12 @@ class HFBackend:
 
 
 def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str | None = None,
-                 quantized: str | None = None, **options) -> RolloutBackend:
+                 quantized: str | None = None, specache: dict | None = None, **options) -> RolloutBackend:
     if name == "hf":
-        return HFBackend(model_dir, batch_size=batch_size, reference_dir=reference_dir, quantized=quantized)
+        return HFBackend(model_dir, batch_size=batch_size, reference_dir=reference_dir, quantized=quantized,
+                         specache=specache)
+    if specache:
+        raise ValueError(f"rollout.kv_cache=specache is served by the hf backend only, not {name}")
     if quantized:
         raise ValueError(f"rollout.quantized is served by the hf backend only, not {name}")
     if name == "vllm":
@@ -213,11 +234,12 @@ class RolloutWorker:
     """One rollout role: a backend plus the policy version it currently holds."""
 
     def __init__(self, model_dir: str, backend: str = "hf", batch_size: int = 64, threads: int = 1, index: int = 0,
-                 reference_dir: str | None = None, quantized: str | None = None):
+                 reference_dir: str | None = None, quantized: str | None = None, specache: dict | None = None):
         torch.set_num_threads(threads)
         self.index = index
         # the reference defaults to model_dir: the initial policy, as the ReferenceWorker loads it
-        self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir, quantized=quantized)
+        self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir, quantized=quantized,
+                                    specache=specache)
         self.version = 0
         self.tokens_generated = 0
         self.generate_seconds = 0.0

@@ -69,7 +69,10 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0)
     batch_size: int = Field(64, ge=1, description="sequences per generate call")
     eval_greedy: bool = True
-    kv_cache: Literal["full", "specache"] = "full"
+    kv_cache: Literal["full", "specache"] = Field("full", description="specache: SpeCache two-tier KV cache (hf backend)")
+    specache_k: int = Field(64, ge=1, description="full-precision KV pairs fetched per decode step")
+    specache_bits: int = Field(2, ge=1, le=4, description="bits of the low-bit KV copy in the fast tier")
+    specache_window: int = Field(32, ge=0, description="most recent positions kept in full precision")
     quantized: Optional[str] = Field(None, description="SliM-LLM quantised dir (rlsys quantize) to serve, hf backend")
 
     @field_validator("quantized")
@@ -82,6 +85,19 @@ class RolloutConfig(Section):
         if not ((Path(v) / "quantize_config.json").exists() and (Path(v) / "quantized.safetensors").exists()):
             raise ValueError("must be a directory written by `rlsys quantize` (quantize_config.json, quantized.safetensors)")
         return v
+
+    @field_validator("kv_cache")
+    @classmethod
+    def _specache_backend(cls, v, info):
+        if v == "specache" and info.data.get("backend") != "hf":
+            raise ValueError("specache is served by rollout.backend 'hf' only")
+        return v
+
+    def specache_settings(self) -> dict | None:
+        """The SpeCache settings a rollout backend takes, or None for the full cache."""
+        if self.kv_cache != "specache":
+            return None
+        return {"k": self.specache_k, "bits": self.specache_bits, "window": self.specache_window}
 
 
 class LearnerConfig(Section):

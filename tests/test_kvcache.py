@@ -170,3 +170,28 @@ def test_eos_rows_are_padded_and_attention_restored(model, prompts):
     assert out[0, 120] == eos and (out[0, 121:] == 1).all() and (out_lp[0, 1:] == 0).all()
     assert out_lp[0, 0] < 0
     assert model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------- rollout backend wiring
+
+def test_rollout_backend_serves_specache_and_matches_the_full_cache_when_k_covers(prompts):
+    """`rollout.kv_cache=specache`: the HF rollout backend decodes through SpeCache; with k
+    covering the whole sequence it is exact, with a small k it still returns well-formed rows."""
+    from actors.rollout import HFBackend
+    from rlsys.config import load_config
+    from rlsys.generation import GenerationRequest, SamplingParams
+
+    m = build_tiny_model(SPEC, None, seed=3).eval()
+    m.config.eos_token_id, m.config.pad_token_id = 1, 0
+    ids, mask = prompts
+    reqs = [GenerationRequest(row[msk.bool()].tolist(), SamplingParams(max_new_tokens=12, temperature=0.0)) for row, msk in zip(ids, mask)]
+    full = HFBackend("unused", model=m).generate(reqs)
+    exact = HFBackend("unused", model=m, specache={"k": 400, "bits": 1, "window": 8}).generate(reqs)
+    assert [g.response_ids for g in exact] == [g.response_ids for g in full]
+    for a, b in zip(exact, full):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    small = HFBackend("unused", model=m, specache={"k": 8, "bits": 1, "window": 8}).generate(reqs)
+    assert all(len(g.response_ids) == len(g.logprobs) <= 12 for g in small)
+    assert load_config("configs/quickstart.yaml", ["rollout.kv_cache=specache"]).rollout.specache_settings() == \
+        {"k": 64, "bits": 2, "window": 32}
+    assert load_config("configs/quickstart.yaml", []).rollout.specache_settings() is None
