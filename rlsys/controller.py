@@ -197,7 +197,8 @@ class Controller:
         opts = dict(max_restarts=-1, max_task_retries=2)
         self.workers = [
             ray.remote(RolloutWorker).options(num_cpus=0.5, **opts).remote(
-                str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized)
+                str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized,
+                specache=r.specache_settings())
             for i in range(r.num_workers)
         ]
         temperature = r.temperature if r.temperature > 0 else 1.0
@@ -275,11 +276,13 @@ class Controller:
         self.ctx.policy_version, self.ctx.weights_ref = version, refs[0]
         ray.get(self.buffer.set_policy_version.remote(version))
 
-    def evaluate(self, split: str = "eval") -> dict[str, float]:
-        """Greedy accuracy on a split through the rollout workers (current policy version)."""
+    def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
+        """Accuracy on a split through the rollout workers (current policy version): greedy
+        unless `rollout.eval_greedy` is off (or `greedy=False`), then pass@1 at the rollout temperature."""
         rows = self.task.rows(split)
         prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
-        params = self.ctx.sampling(n=1, temperature=0.0 if self.cfg.rollout.eval_greedy else self.cfg.rollout.temperature,
+        params = self.ctx.sampling(n=1, temperature=0.0 if (self.cfg.rollout.eval_greedy if greedy is None else greedy)
+                                   else self.cfg.rollout.temperature,
                                    seed=12345)
         gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
         texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
