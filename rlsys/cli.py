@@ -51,7 +51,9 @@ def _submit(args) -> int:
     from rlsys.config import load_config
 
     build_algorithm(load_config(args.config, args.overrides))  # a bad config fails here, not on the cluster
-    print(jobs.submit(args.address, args.config, args.overrides))
+    cfg = load_config(args.config, [f"run.output_dir={Path.cwd() / 'runs'}", *args.overrides])  # as jobs.submit does
+    run_dir = Path.cwd() / cfg.run.output_dir / cfg.run.name  # `rlsys eval attach JOB` finds cluster.json there
+    print(jobs.submit(args.address, args.config, args.overrides, metadata={"rlsys_run_dir": str(run_dir)}))
     return 0
 
 
@@ -65,6 +67,45 @@ def _job_command(args) -> int:
     elif args.command == "stop":
         print("stopped" if jobs.stop(args.address, args.job) else "not running")
     return 0
+
+
+SPEC_FLAGS = ("name", "split", "dataset", "metric", "temperature", "n", "max_new_tokens", "limit", "every", "seed")
+
+
+def _eval(args) -> int:
+    from rlsys import evaluators
+
+    if args.action == "attach":
+        spec = evaluators.load_spec(args.spec, {k: getattr(args, k) for k in SPEC_FLAGS})
+        print(evaluators.attach(args.target, spec, args.address))
+    elif args.action == "list":
+        for spec in evaluators.list_specs(args.target, args.address):
+            print(json.dumps(spec))
+    elif not evaluators.detach(args.target, args.name, args.address):
+        print(f"evaluator error: no evaluator named {args.name} is attached", file=sys.stderr)
+        return 2
+    else:
+        print(f"detached evaluator {args.name}")
+    return 0
+
+
+def _eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="evaluators attached to a running run or job").add_subparsers(
+        dest="action", required=True)
+    for action, text in (("attach", "attach an evaluator (YAML spec and/or flags)"), ("list", "attached evaluators"),
+                         ("detach", "detach an evaluator by name")):
+        a = ev.add_parser(action, help=text)
+        a.add_argument("target", metavar="RUN_OR_JOB", help="a run dir (runs/<name>) or a job id with --address")
+        a.add_argument("--address", default=None, help="dashboard address, for a job id")
+        a.set_defaults(func=_eval)
+        if action == "detach":
+            a.add_argument("name")
+        if action != "attach":
+            continue
+        a.add_argument("spec", nargs="?", help="YAML spec: name, split|dataset, metric, temperature, n, every, ...")
+        for flag in SPEC_FLAGS:
+            kind = {"temperature": float, "n": int, "max_new_tokens": int, "limit": int, "every": int, "seed": int}
+            a.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind.get(flag, str), default=None)
 
 
 def _delegate(module: str, prefix: list[str]):
@@ -103,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "logs":
             j.add_argument("--follow", "-f", action="store_true")
         j.set_defaults(func=_job_command)
+    _eval_parser(sub)
     for name, module, prefix in (
         ("sandbox", "sandbox.cli", []),
         ("quantize", "rlsys.quantize.cli", []),

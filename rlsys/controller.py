@@ -308,6 +308,7 @@ class Controller:
             "controller_rng": self.ctx.rng.bit_generator.state,
             "buffer_rng": ray.get(self.buffer.rng_state.remote()),
             "algorithm": self.algorithm.state(),
+            "evaluators": self.attached.specs() if getattr(self, "attached", None) else [],
         }
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(dump_config(self.cfg))
@@ -336,6 +337,7 @@ class Controller:
             self.ctx.rng.bit_generator.state = state["controller_rng"]
             ray.get(self.buffer.set_rng_state.remote(state["buffer_rng"]))
             self.algorithm.load_state(state["algorithm"])
+            self.restored_evaluators = state.get("evaluators", [])
             self.sync_weights(state["policy_version"])
             return path
         raise checkpoint.CheckpointError(f"no readable checkpoint in {self.run_dir / 'checkpoints'}")
@@ -354,6 +356,7 @@ class Controller:
                                   f"or pick another run.name")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self.attached = self.open_evaluators()
         t0 = time.perf_counter()
         policy_dir = self.prepare_policy()
         self.start_actors(policy_dir)
@@ -362,21 +365,26 @@ class Controller:
             path = self.restore()
             tracker.truncate_after(self.step)
             print(f"rlsys: resumed {cfg.run.name} from {path.name} (step {self.step})", file=sys.stderr)
-            evals = read_jsonl(tracker.evals_path)
+            evals = [r for r in read_jsonl(tracker.evals_path) if r["evaluator"] == "heldout"]  # not attached ones
             first = evals[0] if evals else self.evaluate()
             last_eval = evals[-1] if evals else first
         else:
             first = last_eval = self.evaluate()
             tracker.log_eval(self.step, "heldout", first, self.ctx.policy_version)
+        self.attached.start(policy_dir, self.task, cfg.rollout.max_new_tokens, getattr(self, "restored_evaluators", []))
         every = cfg.trainer.checkpoint_every
         bar = _bar(cfg.trainer.steps, f"{cfg.algorithm.name}", self.progress, initial=self.step)
         while self.step < cfg.trainer.steps:
             metrics = self.train_step()
+            for row in self.attached.poll(self.step, self.ctx.policy_version, self.ctx.weights_ref):
+                tracker.log_eval(*row)
             last_step = self.step == cfg.trainer.steps
             if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 or last_step:
                 last_eval = self.evaluate()
                 tracker.log_eval(self.step, "heldout", last_eval, self.ctx.policy_version)
             if every and (self.step % every == 0 or last_step):
+                for row in self.attached.drain():  # a checkpoint holds no evaluation in flight
+                    tracker.log_eval(*row)
                 with self.ctx.timed("checkpoint"):
                     self.save_checkpoint()
                 metrics["time/checkpoint"] = self.ctx.timings["checkpoint"]
@@ -384,12 +392,23 @@ class Controller:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}")
             bar.update()
         bar.close()
+        for row in self.attached.drain():
+            tracker.log_eval(*row)
+        self.attached.close()
         tracker.close()
         return {
             "run": cfg.run.name, "algorithm": cfg.algorithm.name, "steps": self.step,
             "eval_accuracy_before_rl": first["accuracy"], "eval_accuracy_after_rl": last_eval["accuracy"],
             "seconds": time.perf_counter() - t0, "run_dir": str(self.run_dir),
         }
+
+    def open_evaluators(self):
+        """The run's evaluator registry (named actor) and runs/<name>/cluster.json to reach it."""
+        from rlsys.evaluators import AttachedEvaluators, write_cluster_info
+
+        attached = AttachedEvaluators(self.cfg.run.name)
+        write_cluster_info(self.run_dir, self.cfg.run.name)
+        return attached
 
 
 def _bar(total: int, desc: str, enabled: bool, initial: int = 0):

@@ -29,7 +29,7 @@ def client(address: str):
     return JobSubmissionClient(address)
 
 
-def submit(address: str, config: str, overrides: list[str], workdir: str = ".") -> str:
+def submit(address: str, config: str, overrides: list[str], workdir: str = ".", metadata: dict | None = None) -> str:
     workdir = Path(workdir).resolve()
     output_dir = f"run.output_dir={workdir / 'runs'}"
     args = ["python", "-m", "rlsys.cli", "run", config, output_dir, *overrides, "--no-progress"]
@@ -38,7 +38,7 @@ def submit(address: str, config: str, overrides: list[str], workdir: str = ".") 
         try:
             return client(address).submit_job(
                 entrypoint=" ".join(shlex.quote(a) for a in args),
-                runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES},
+                runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES}, metadata=metadata,
             )
         except (ConnectionError, RuntimeError) as e:
             # a head node that is still starting refuses connections, then has no job agent for a while

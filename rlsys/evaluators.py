@@ -1,0 +1,373 @@
+"""Evaluators attached to a running job: a spec, its own Ray actor, a named registry.
+
+`rlsys eval attach RUN_OR_JOB SPEC.yaml` finds the run's cluster through
+`runs/<name>/cluster.json` (written by the controller at start-up) and adds the spec to the
+run's `EvalRegistry`, a named actor `rlsys-evals-<run name>` in the `rlsys` namespace. The
+controller polls the registry at each step boundary (`AttachedEvaluators.poll`): each spec
+gets an `EvaluatorWorker` actor with its own copy of the policy; at every `every`-th step it
+is handed the newest synced weights ref and the step, without waiting; results are
+collected at later boundaries and logged to evals.jsonl / TensorBoard `eval/<name>/...`
+with the policy version they were computed on.
+
+No `import ray` at module level: the CLI sets Ray's auth environment first.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rlsys.config import ConfigError
+
+NAMESPACE = "rlsys"
+MAX_PENDING = 4  # evaluations in flight per evaluator; one further behind skips steps rather than queue
+
+
+class EvaluatorSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    split: Literal["train", "eval"] = "eval"
+    dataset: Optional[str] = Field(None, description="jsonl/parquet of {prompt, answer}; replaces split")
+    metric: str = Field("accuracy", description="'accuracy' or 'module:function' (row, response_text) -> float")
+    temperature: float = Field(0.0, ge=0, description="0 is greedy")
+    n: int = Field(1, ge=1, le=64, description="samples per prompt")
+    max_new_tokens: Optional[int] = Field(None, ge=1, le=4096)
+    limit: Optional[int] = Field(None, ge=1, description="first N prompts only")
+    every: int = Field(1, ge=1, description="evaluate every N steps")
+    seed: int = 0
+
+    @field_validator("name")
+    @classmethod
+    def _not_builtin(cls, v):
+        if v == "heldout":
+            raise ValueError("is the built-in evaluator's name; pick another")
+        return v
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_file(cls, v):
+        if v is not None and not Path(v).is_file():
+            raise ValueError("no such file")
+        if v is not None and Path(v).suffix not in (".jsonl", ".json", ".parquet"):
+            raise ValueError("must be .jsonl or .parquet")
+        return v
+
+    @field_validator("metric")
+    @classmethod
+    def _metric_importable(cls, v):
+        if v != "accuracy":
+            resolve_metric(v)
+        return v
+
+    @property
+    def metric_key(self) -> str:
+        return "accuracy" if self.metric == "accuracy" else self.metric.split(":")[1]
+
+
+def resolve_metric(path: str):
+    """`module:function` -> the function; ValueError (one line) otherwise."""
+    module, _, fn = path.partition(":")
+    if not module or not fn.isidentifier():
+        raise ValueError("must be 'accuracy' or an import path 'module:function'")
+    try:
+        obj = getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import ({type(e).__name__}: {e})") from None
+    if not callable(obj):
+        raise ValueError("is not callable")
+    return obj
+
+
+def parse_spec(data: dict) -> EvaluatorSpec:
+    try:
+        return EvaluatorSpec.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise ConfigError(f"evaluator error: unknown key '{key}'") from None
+        if err["type"] == "missing":
+            raise ConfigError(f"evaluator error: '{key}' is required") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"evaluator error: {key} = {err.get('input')!r}: {msg}") from None
+
+
+def load_spec(path: str | None = None, flags: dict | None = None) -> EvaluatorSpec:
+    """A spec from a YAML file, CLI flags (set ones override the file), or both."""
+    data: dict = {}
+    if path:
+        if not Path(path).is_file():
+            raise ConfigError(f"evaluator error: file {path} does not exist")
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError:
+            raise ConfigError(f"evaluator error: {path} is not valid YAML") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"evaluator error: {path} must hold a mapping of spec keys")
+    data.update({k: v for k, v in (flags or {}).items() if v is not None})
+    return parse_spec(data)
+
+
+# ---- actors -------------------------------------------------------------------------------
+class EvalRegistry:
+    """The run's attached specs (name -> spec dict); a named actor the CLI talks to."""
+
+    def __init__(self, specs: list[dict]):
+        self.specs = {s["name"]: s for s in specs}
+
+    def attach(self, spec: dict) -> bool:
+        replaced = spec["name"] in self.specs
+        self.specs[spec["name"]] = spec
+        return replaced
+
+    def detach(self, name: str) -> bool:
+        return self.specs.pop(name, None) is not None
+
+    def list(self) -> list[dict]:
+        return list(self.specs.values())
+
+    def restore(self, specs: list[dict]) -> None:
+        """A resumed run's checkpointed specs; one attached meanwhile under the same name wins."""
+        for spec in specs:
+            self.specs.setdefault(spec["name"], spec)
+
+
+class EvaluatorWorker:
+    """One evaluator: its own policy copy (hf backend), the prompts, the metric."""
+
+    def __init__(self, policy_dir: str, spec: dict, task, max_new_tokens: int):
+        import torch
+
+        from actors.rollout import RolloutWorker
+        from envs.datasets import read_rows
+        from rlsys.models import load_tokenizer
+
+        torch.set_num_threads(1)
+        self.spec, self.task = EvaluatorSpec.model_validate(spec), task
+        self.worker = RolloutWorker(policy_dir, "hf")
+        self.tokenizer = load_tokenizer(policy_dir)
+        s = self.spec
+        rows = read_rows(s.dataset, required=("prompt", "answer")) if s.dataset else task.rows(s.split)
+        self.rows = rows[: s.limit]
+        self.prompt_ids = [self.tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.rows]
+        self.score = task.is_correct if s.metric == "accuracy" else resolve_metric(s.metric)
+        self.max_new_tokens = s.max_new_tokens or max_new_tokens
+
+    def evaluate(self, version: int, weights) -> dict:
+        import numpy as np
+
+        from rlsys.generation import GenerationRequest, SamplingParams
+
+        if weights is not None and version != self.worker.version:
+            self.worker.load_weights(version, weights)
+        s = self.spec
+        params = SamplingParams(n=s.n, max_new_tokens=self.max_new_tokens, temperature=s.temperature, seed=s.seed,
+                                stop_token_ids=(self.tokenizer.eos_token_id,))
+        gens = self.worker.generate([GenerationRequest(p, params) for p in self.prompt_ids])
+        texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        scores = np.array([float(self.score(self.rows[g.request_index], t)) for g, t in zip(gens, texts)])
+        out = {s.metric_key: float(scores.mean()), "n": float(len(self.rows))}
+        if s.n > 1:  # a prompt passes when any of its n samples scores 1
+            passed = {g.request_index for g, x in zip(gens, scores) if x >= 1.0}
+            out[f"pass@{s.n}"] = len(passed) / len(self.rows)
+        return {"policy_version": self.worker.version, "metrics": out}
+
+
+def _actor_exists(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def registry_name(run_name: str) -> str:
+    return f"rlsys-evals-{run_name}"
+
+
+class AttachedEvaluators:
+    """The controller's side: the registry actor, one EvaluatorWorker per attached spec and
+    the evaluations in flight. `poll` is the bounded hand-off done at each step boundary."""
+
+    def __init__(self, run_name: str):
+        """The registry, up from start-up on, so specs can be attached while the run warms up."""
+        import ray
+
+        name = registry_name(run_name)
+        if _actor_exists(name):
+            raise ConfigError(f"evaluator error: a run named {run_name} is already live on this cluster ({name})")
+        self.registry = ray.remote(EvalRegistry).options(name=name, namespace=NAMESPACE, num_cpus=0).remote([])
+        self.active: dict[str, tuple[dict, object]] = {}  # name -> (spec, worker actor)
+        self.pending: list[tuple[str, int, object]] = []  # (name, step, future)
+
+    def start(self, policy_dir: Path, task, max_new_tokens: int, restored: list[dict] = ()) -> None:
+        """Once the policy and task exist; `restored`: the specs of the checkpoint resumed from."""
+        import ray
+
+        self.policy_dir, self.task, self.max_new_tokens = str(policy_dir), task, max_new_tokens
+        ray.get(self.registry.restore.remote(list(restored)))
+
+    def specs(self) -> list[dict]:
+        return [spec for spec, _ in self.active.values()]
+
+    def _sync(self, wanted: list[dict]) -> None:
+        import ray
+
+        wanted_by_name = {s["name"]: s for s in wanted}
+        for name, (spec, actor) in list(self.active.items()):
+            if wanted_by_name.get(name) != spec:  # detached or replaced: its results stop here
+                ray.kill(actor)
+                del self.active[name]
+                self.pending = [p for p in self.pending if p[0] != name]
+        for name, spec in wanted_by_name.items():
+            if name not in self.active:
+                actor = ray.remote(EvaluatorWorker).options(num_cpus=0.25).remote(
+                    self.policy_dir, spec, self.task, self.max_new_tokens)
+                self.active[name] = (spec, actor)
+
+    def _collect(self, timeout: float) -> list[tuple]:
+        """(step, name, metrics, policy version) of the evaluations finished within `timeout`."""
+        import ray
+
+        if not self.pending:
+            return []
+        futures = [f for _, _, f in self.pending]
+        done, _ = ray.wait(futures, num_returns=len(futures), timeout=timeout)
+        done = set(done)
+        rows, keep = [], []
+        for name, step, fut in self.pending:
+            if fut not in done:
+                keep.append((name, step, fut))
+                continue
+            try:
+                result = ray.get(fut)
+                rows.append((step, name, result["metrics"], result["policy_version"]))
+            except Exception as e:  # a broken evaluator must not stop training
+                print(f"rlsys: evaluator {name} failed at step {step}: {str(e).strip().splitlines()[-1][:300]}",
+                      file=sys.stderr)
+        self.pending = keep
+        return rows
+
+    def poll(self, step: int, version: int, weights_ref, timeout: float = 10.0) -> list[tuple]:
+        """Pick up attach/detach, collect finished results, hand off this step's evaluations."""
+        import ray
+
+        self._sync(ray.get(self.registry.list.remote(), timeout=timeout))
+        rows = self._collect(timeout=0)
+        for name, (spec, actor) in self.active.items():
+            if step % spec["every"]:
+                continue
+            if sum(p[0] == name for p in self.pending) >= MAX_PENDING:
+                print(f"rlsys: evaluator {name} is behind; skipping step {step}", file=sys.stderr)
+                continue
+            self.pending.append((name, step, actor.evaluate.remote(version, weights_ref)))
+        return rows
+
+    def drain(self, timeout: float = 600.0) -> list[tuple]:
+        """Wait for the evaluations in flight (before a checkpoint, at the end of a run)."""
+        return self._collect(timeout)
+
+    def close(self) -> None:
+        import ray
+
+        for _, actor in self.active.values():
+            ray.kill(actor)
+        ray.kill(self.registry)
+        self.active, self.pending = {}, []
+
+
+# ---- reaching a run from the CLI ------------------------------------------------------------
+def write_cluster_info(run_dir: Path, run_name: str) -> Path:
+    """runs/<name>/cluster.json: how `rlsys eval` reaches this run's cluster and registry."""
+    import ray
+
+    gcs = ray.get_runtime_context().gcs_address
+    host, _, port = gcs.rpartition(":")
+    local = host == ray.util.get_node_ip_address()  # the GCS on this machine: reach it on loopback
+    info = {
+        "address": f"127.0.0.1:{port}" if local else gcs, "gcs_address": gcs, "namespace": NAMESPACE,
+        "registry": registry_name(run_name), "pid": os.getpid(),
+        "auth_mode": os.environ.get("RAY_AUTH_MODE"), "auth_token_path": os.environ.get("RAY_AUTH_TOKEN_PATH"),
+    }
+    path = Path(run_dir) / "cluster.json"
+    path.write_text(json.dumps(info, indent=1))
+    return path
+
+
+def cluster_info(target: str, address: str | None = None) -> dict:
+    """A run dir's cluster.json, or (a job id and a dashboard address) that of the job's run dir."""
+    run_dir = Path(target)
+    if not run_dir.is_dir():
+        if not address:
+            raise ConfigError(f"evaluator error: {target} is neither a run directory nor a job id with --address")
+        from rlsys import jobs
+
+        try:
+            meta = jobs.client(address).get_job_info(target).metadata or {}
+        except Exception as e:
+            raise ConfigError(f"evaluator error: job {target} at {address}: {str(e).strip().splitlines()[-1][:200]}") from None
+        if "rlsys_run_dir" not in meta:
+            raise ConfigError(f"evaluator error: job {target} was not submitted by `rlsys submit` (no run dir recorded)")
+        run_dir = Path(meta["rlsys_run_dir"])
+    path = run_dir / "cluster.json"
+    if not path.exists():
+        raise ConfigError(f"evaluator error: {run_dir} has no cluster.json (has the run started?)")
+    return json.loads(path.read_text())
+
+
+def connect(target: str, address: str | None = None):
+    """The run's EvalRegistry actor handle (joins the run's cluster unless Ray is up)."""
+    info = cluster_info(target, address)
+    if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+        for key, env in (("auth_mode", "RAY_AUTH_MODE"), ("auth_token_path", "RAY_AUTH_TOKEN_PATH")):
+            if info.get(key):
+                os.environ[env] = info[key]
+        import ray
+
+        try:
+            ray.init(address=info["address"], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        except Exception as e:
+            raise ConfigError(f"evaluator error: cannot reach the run's cluster at {info['address']} "
+                              f"({str(e).strip().splitlines()[-1][:200]}); is it still running?") from None
+    import ray
+
+    try:
+        return ray.get_actor(info["registry"], namespace=info["namespace"])
+    except ValueError:
+        raise ConfigError(f"evaluator error: run {target} is not running (no {info['registry']} on "
+                          f"{info['address']})") from None
+
+
+def _call(target: str, address: str | None, method: str, *args):
+    registry = connect(target, address)  # before `import ray`: it sets Ray's auth environment
+    import ray
+
+    return ray.get(getattr(registry, method).remote(*args))
+
+
+def attach(target: str, spec: EvaluatorSpec, address: str | None = None) -> str:
+    replaced = _call(target, address, "attach", spec.model_dump())
+    return f"{'replaced' if replaced else 'attached'} evaluator {spec.name}: from the next step boundary, every {spec.every} steps"
+
+
+def detach(target: str, name: str, address: str | None = None) -> bool:
+    return _call(target, address, "detach", name)
+
+
+def list_specs(target: str, address: str | None = None) -> list[dict]:
+    return _call(target, address, "list")
+
+
+def first_char_match(row: dict, response_text: str) -> float:
+    """An example user metric (`metric: rlsys.evaluators:first_char_match`): partial credit,
+    1.0 when the response starts with the answer's first character."""
+    answer, text = str(row["answer"]).strip(), response_text.strip()
+    return float(bool(answer) and text[:1] == answer[:1])
