@@ -118,8 +118,12 @@ def load_spec(path: str | None = None, flags: dict | None = None) -> EvaluatorSp
 class EvalRegistry:
     """The run's attached specs (name -> spec dict); a named actor the CLI talks to."""
 
-    def __init__(self, specs: list[dict]):
+    def __init__(self, specs: list[dict], owner_pid: int = 0):
         self.specs = {s["name"]: s for s in specs}
+        self.owner_pid = owner_pid  # the controller's process
+
+    def owner(self) -> int:
+        return self.owner_pid
 
     def attach(self, spec: dict) -> bool:
         replaced = spec["name"] in self.specs
@@ -179,14 +183,26 @@ class EvaluatorWorker:
         return {"policy_version": self.worker.version, "metrics": out}
 
 
-def _actor_exists(name: str) -> bool:
+def _drop_stale_registry(name: str, run_name: str) -> None:
+    """A registry left by an earlier run of this process (one that raised) is replaced; one of
+    another live controller is an error: two runs of one name would share a registry."""
+    import time
+
     import ray
 
     try:
-        ray.get_actor(name, namespace=NAMESPACE)
-        return True
+        stale = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
-        return False
+        return
+    if ray.get(stale.owner.remote()) != os.getpid():
+        raise ConfigError(f"evaluator error: a run named {run_name} is already live on this cluster ({name})")
+    ray.kill(stale)
+    for _ in range(100):  # the name is released shortly after the kill
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+            time.sleep(0.05)
+        except ValueError:
+            return
 
 
 def registry_name(run_name: str) -> str:
@@ -202,9 +218,9 @@ class AttachedEvaluators:
         import ray
 
         name = registry_name(run_name)
-        if _actor_exists(name):
-            raise ConfigError(f"evaluator error: a run named {run_name} is already live on this cluster ({name})")
-        self.registry = ray.remote(EvalRegistry).options(name=name, namespace=NAMESPACE, num_cpus=0).remote([])
+        _drop_stale_registry(name, run_name)
+        self.registry = ray.remote(EvalRegistry).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
+            [], os.getpid())
         self.active: dict[str, tuple[dict, object]] = {}  # name -> (spec, worker actor)
         self.pending: list[tuple[str, int, object]] = []  # (name, step, future)
 

@@ -140,3 +140,17 @@ def test_attach_detach_and_resume_on_a_live_run(ray_cluster, tmp_path):
     assert "error" not in box, box.get("error")
     assert [(r["step"], r["policy_version"]) for r in rows_of(run_dir, "b")] == [(s, s) for s in (2, 4, 6, 8, 10)]
     assert [r["step"] for r in rows_of(run_dir, "a")] == a_steps
+
+
+@pytest.mark.integration
+def test_a_registry_left_by_this_process_is_replaced_one_of_another_live_run_refused(ray_cluster):
+    from rlsys.evaluators import AttachedEvaluators
+
+    left = AttachedEvaluators("twice")  # never closed, as after a run that raised
+    ray_cluster.get(left.registry.attach.remote({"name": "x", "every": 1}))
+    fresh = AttachedEvaluators("twice")
+    assert ray_cluster.get(fresh.registry.list.remote()) == []
+    other = ray_cluster.remote(lambda: AttachedEvaluators("twice") and None).remote()  # another process
+    with pytest.raises(Exception, match="a run named twice is already live on this cluster"):
+        ray_cluster.get(other)
+    fresh.close()
