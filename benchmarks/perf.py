@@ -2,7 +2,13 @@
 (issue 10), on the quickstart's model and task. Prints one markdown table of ratios.
 
     .venv/bin/python benchmarks/perf.py            # 7 timed repeats per figure
-    .venv/bin/python benchmarks/perf.py --quick    # 3 repeats
+    .venv/bin/python benchmarks/perf.py --quick    # 3 repeats, shorter SFT and TRL runs
+
+Figures: rollout tokens/s (rlsys's HF backend vs plain `model.generate`), learner step
+(DeepSpeed Learner.train_step vs plain torch fwd+bwd+AdamW, same GRPO clipped loss),
+weight sync (learner -> object store -> rollout worker vs raw ray.put + ray.get), 1 vs 2
+rollout workers, cost growth with batch and response length (generate + train), and,
+when `trl` is installed, end-to-end GRPO samples/s against TRL's GRPOTrainer.
 
 The policy is built as the controller's `prepare_policy` builds it (tokenizer trained on
 the task, tiny Qwen2 from configs/quickstart.yaml) but without the SFT warm-up
@@ -196,12 +202,9 @@ class Bench:
 
         ray.get(workers[0].load_weights.remote(0, state))  # back to version 0, as ActorContext expects
         reqs = self.requests(batch, new)
-
-        def throughput(n):
-            ctx = ActorContext(self.cfg, self.tok, self.task, workers[:n], None, None, None, 0)
-            return batch * new / timed(lambda: ctx.generate(reqs), self.reps)
-
-        one, two = throughput(1), throughput(2)
+        ctxs = [ActorContext(self.cfg, self.tok, self.task, workers[:n], None, None, None, 0) for n in (1, 2)]
+        t_one, t_two = paired(lambda: ctxs[0].generate(reqs), lambda: ctxs[1].generate(reqs), self.reps)
+        one, two = batch * new / t_one, batch * new / t_two
         self.add(f"scaling: rollout tokens/s, 2 vs 1 workers (batch {batch}, {new} new)", f"{two:.0f}",
                  f"{one:.0f}", two / one, ">= 1.7x")
         for a in [learner, *workers, src, dst]:
@@ -224,6 +227,72 @@ class Bench:
                      f"{per_sample * 1e3:.1f}", f"{s0 * 1e3:.1f}", (per_sample / s0) / tokens_growth,
                      f"<= 1x the per-sample token growth ({tokens_growth:g}x)")
 
+    # ---- 6. end to end against TRL ---------------------------------------------------
+    def end_to_end(self, steps: int, sft_steps: int, prompts: int = 16, group: int = 4, new: int = 32) -> str:
+        """GRPO samples/s: rlsys's Controller (Ray actors, as `rlsys run`) vs TRL's GRPOTrainer
+        (in-process, CPU, no vllm, fp32, torch on 1 thread as each rlsys actor), from the same
+        SFT-warmed policy with the same prompts, reward, G, max length, lr and clipping, no KL
+        term in either (TRL's default beta=0). The two alternate step by step; samples/s is the
+        median step's, the first step of each left out.
+        Returns rlsys's per-phase split of the timed steps."""
+        import ray
+        from datasets import Dataset
+        from transformers import PrinterCallback, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        from rlsys.config import load_config
+        from rlsys.controller import Controller
+        from rlsys.models import load_model
+
+        run_dir = self.controller.run_dir.parent / "e2e"
+        cfg = load_config("configs/quickstart.yaml", [
+            f"run.output_dir={run_dir.parent}", "run.name=e2e", f"sft.steps={sft_steps}", "algorithm.kl_coef=0",
+            f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}"])
+        c = Controller(cfg, run_dir, progress=False)
+        policy_dir = c.prepare_policy()
+        c.start_actors(policy_dir)
+        ours, theirs, rewards, phases = [], [], [], {}
+
+        class Interleave(TrainerCallback):  # one rlsys step after each TRL step: drift hits both alike
+            def on_step_begin(self, *a, **k):
+                self.t = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                theirs.append(time.perf_counter() - self.t)
+                m = c.train_step()
+                ours.append(m["time/step"])
+                rewards.append(m["reward/mean"])
+                for key, v in m.items():
+                    if key.startswith("time/") and key != "time/step":
+                        phases[key[5:]] = phases.get(key[5:], 0.0) + v
+
+        task, tok = c.task, c.tokenizer
+        tok.padding_side = "left"
+        data = Dataset.from_list([{"prompt": task.prompt_text(r), "answer": str(r["answer"])} for r in task.rows("train")])
+        reward = lambda prompts, completions, answer, **_: [task.reward({"answer": a}, x) for x, a in zip(completions, answer)]
+        args = GRPOConfig(output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, fp16=False,
+                          gradient_checkpointing=False, use_vllm=False, num_generations=group,
+                          per_device_train_batch_size=prompts * group, max_completion_length=new, temperature=1.0,
+                          learning_rate=cfg.learner.lr, max_grad_norm=cfg.learner.grad_clip, beta=0.0,
+                          max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
+                          dataloader_num_workers=0, seed=0, disable_tqdm=True, log_level="error")
+        trainer = GRPOTrainer(model=load_model(policy_dir), reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=tok, callbacks=[Interleave()])
+        trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
+        trainer.train()
+        for a in [*c.workers, *c.learners, c.reference, c.reward, c.buffer]:
+            ray.kill(a)
+        samples = prompts * group
+        ours_sps, theirs_sps = samples / statistics.median(ours[1:]), samples / statistics.median(theirs[1:])
+        trl_reward = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        self.add(f"end-to-end GRPO samples/s vs TRL GRPOTrainer (G={group}, {prompts} prompts/step, <= {new} new, "
+                 f"{sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
+                 f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f})",
+                 f"{ours_sps:.1f}", f"{theirs_sps:.1f}", ours_sps / theirs_sps, ">= 1.5x")
+        total = sum(ours)
+        return "rlsys end-to-end step split: " + ", ".join(
+            f"{k} {v / total:.0%}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+
     def table(self) -> str:
         lines = ["| figure | rlsys | baseline | ratio | goal |", "|---|---|---|---|---|"]
         return "\n".join(lines + [f"| {' | '.join(r)} |" for r in self.rows])
@@ -231,7 +300,7 @@ class Bench:
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 repeats per figure instead of 7")
+    ap.add_argument("--quick", action="store_true", help="3 repeats per figure instead of 7, shorter end-to-end runs")
     args = ap.parse_args(argv)
     init_ray()
     bench = Bench(reps=3 if args.quick else 7)
@@ -242,12 +311,14 @@ def main(argv: list[str]) -> None:
     bench.growth()
     try:
         import trl  # noqa: F401
-        note = "trl is importable, but the GRPOTrainer end-to-end comparison is not written yet"
+        note = ""
     except ImportError:
-        note = "TRL GRPOTrainer end-to-end: not measured (trl is not installed in this venv)"
+        note = "\nTRL GRPOTrainer end-to-end: not measured (trl is not installed: pip install -c constraints.txt trl)"
+    if not note:
+        note = "\n" + bench.end_to_end(steps=4 if args.quick else 10, sft_steps=300 if args.quick else 800)
     print(f"\nbenchmarks/perf.py {' '.join(argv)} ({time.perf_counter() - t0:.0f} s); ratio = rlsys / baseline\n")
     print(bench.table())
-    print(f"\n{note}")
+    print(note)
 
 
 if __name__ == "__main__":
