@@ -27,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+sys.path.insert(0, str(ROOT))
 
 from rlsys.cluster import init_ray  # noqa: E402  (before anything imports ray)
 
@@ -65,7 +67,7 @@ class Bench:
         torch.set_num_threads(1)
         self.reps = reps
         out = Path(tempfile.mkdtemp(prefix="rlsys-bench-perf-"))
-        self.cfg = load_config("configs/quickstart.yaml", [f"run.output_dir={out}", "run.name=perf", "sft.steps=0",
+        self.cfg = load_config(QUICKSTART, [f"run.output_dir={out}", "run.name=perf", "sft.steps=0",
                                                             "algorithm.kl_coef=0"])
         self.controller = Controller(self.cfg, out / "perf", progress=False)
         self.policy_dir = str(self.controller.prepare_policy())
@@ -245,7 +247,7 @@ class Bench:
         from rlsys.models import load_model
 
         run_dir = self.controller.run_dir.parent / "e2e"
-        cfg = load_config("configs/quickstart.yaml", [
+        cfg = load_config(QUICKSTART, [
             f"run.output_dir={run_dir.parent}", "run.name=e2e", f"sft.steps={sft_steps}", "algorithm.kl_coef=0",
             f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}"])
         c = Controller(cfg, run_dir, progress=False)
