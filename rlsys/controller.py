@@ -376,8 +376,10 @@ class Controller:
         bar = _bar(cfg.trainer.steps, f"{cfg.algorithm.name}", self.progress, initial=self.step)
         while self.step < cfg.trainer.steps:
             metrics = self.train_step()
+            handoff = time.perf_counter()  # the loop's whole cost of attached evaluators at this boundary
             for row in self.attached.poll(self.step, self.ctx.policy_version, self.ctx.weights_ref):
                 tracker.log_eval(*row)
+            metrics["time/eval_handoff"] = time.perf_counter() - handoff
             last_step = self.step == cfg.trainer.steps
             if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0 or last_step:
                 last_eval = self.evaluate()
