@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-quickstart: $(STAMP)
-	$(BIN)/rlsys run configs/quickstart.yaml
+quickstart: $(STAMP)  # a fresh run dir each time: runs/quickstart-<date-time>
+	$(BIN)/rlsys run configs/quickstart.yaml run.name=quickstart-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
