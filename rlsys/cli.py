@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from envs.datasets import DatasetError
     from rlsys.checkpoint import CheckpointError
     from rlsys.config import ConfigError
+    from rlsys.errors import RunFailed
 
     args = build_parser().parse_args(argv)
     try:
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError, CheckpointError) as e:
         print(str(e), file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"rlsys: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

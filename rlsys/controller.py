@@ -20,11 +20,8 @@ import ray
 
 from algorithms.base import Prompt, build_algorithm
 from rlsys.config import JobConfig, dump_config
+from rlsys.errors import LearnerFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
 from rlsys.generation import GenerationRequest, SamplingParams
-
-
-class WeightSyncTimeout(RuntimeError):
-    pass
 
 
 def free_port() -> int:
@@ -240,7 +237,7 @@ class Controller:
             batch = self.algorithm.prepare(table)
             extra = getattr(self.algorithm, "prepare_metrics", lambda t: {})(table)
         with ctx.timed("train"):
-            rank_metrics = ray.get([l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))])
+            rank_metrics = self._from_learners([l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))])
         with ctx.timed("sync"):
             self.sync_weights(ctx.policy_version + 1)
         self.step += 1
@@ -262,6 +259,27 @@ class Controller:
         metrics["perf/samples_per_s"] = table.num_rows / metrics["time/step"]
         return metrics
 
+    def _from_learners(self, refs: list) -> list:
+        """`ray.get` of learner calls; a dead rank ends the run with one line naming it and the
+        checkpoint to resume from (the DeepSpeed group cannot go on without it)."""
+        from rlsys.checkpoint import candidates
+
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            dead = []
+            for rank, learner in enumerate(self.learners):
+                try:
+                    ray.get(learner.ready.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - any failure to answer counts as dead
+                    dead.append(rank)
+            saved = candidates(self.run_dir / "checkpoints")
+            resume = (f"resume from {saved[0].name} with `rlsys resume {self.run_dir}`" if saved
+                      else "no checkpoint was written yet (set trainer.checkpoint_every)")
+            cause = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise LearnerFailed(f"learner rank {', '.join(map(str, dead)) or '?'} of {len(self.learners)} died during "
+                                f"step {self.step + 1} ({cause}); the run stopped: {resume}") from None
+
     def sync_weights(self, version: int) -> None:
         """Learner rank 0 -> every rollout worker through the object store, as numpy arrays."""
         refs = [l.weights.remote() for l in self.learners]  # all ranks: ZeRO-3 gathers collectively
@@ -272,7 +290,7 @@ class Controller:
             raise WeightSyncTimeout(
                 f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
                 f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
-        ray.get(ready + refs[1:])
+        self._from_learners(refs[1:] + ready)
         self.ctx.policy_version, self.ctx.weights_ref = version, refs[0]
         ray.get(self.buffer.set_policy_version.remote(version))
 

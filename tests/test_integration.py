@@ -85,3 +85,26 @@ def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cl
     assert {g.policy_version for g in gens} == {1}
     assert c.ctx.restarted_workers == 1
     assert ray_cluster.get(worker.pid.remote()) != pid
+
+
+def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_cluster, tmp_path):
+    import os
+    import signal
+
+    from rlsys import checkpoint
+    from rlsys.controller import Controller, LearnerFailed
+
+    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=learner_dies",
+                                                  "rollout.num_workers=1"])
+    c = Controller(cfg, tmp_path / "learner_dies", progress=False)
+    c.start_actors(c.prepare_policy())
+    c.train_step()
+    saved = c.save_checkpoint()
+    pid = ray_cluster.get(c.learners[0].__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(LearnerFailed) as err:
+        c.train_step()
+    message = str(err.value)
+    assert "\n" not in message and "learner rank 0 of 1 died during step 2" in message
+    assert f"resume from {saved.name}" in message and "rlsys resume" in message
+    assert checkpoint.verify(saved)["step"] == 1  # what was saved is intact and resumable
