@@ -47,6 +47,15 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> tuple[list[int], str]:
     return tokens, "length"
 
 
+def rows_until_stop(new_tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int]):
+    """(tokens, logprobs, finish reason) of each row of a generated batch, cut after its first stop token."""
+    results = []
+    for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
+        tokens, reason = cut_at_stop(row, stop_ids)
+        results.append((tokens, lp[: len(tokens)], reason))
+    return results
+
+
 class ReferenceMixing:
     """A transformers logits processor that replaces the policy's next-token logits h_theta by
     `interpolated_logits(h_theta, h_ref, beta, mode)`. It runs the reference model alongside
@@ -167,11 +176,7 @@ class HFBackend:
         if not params.greedy and params.temperature != 1.0:
             logits = logits / params.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
-        results = []
-        for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
-            tokens, reason = cut_at_stop(row, stop_ids)
-            results.append((tokens, lp[: len(tokens)], reason))
-        return results
+        return rows_until_stop(new_tokens, logprobs, stop_ids)
 
     def _specache_batch(self, input_ids, attention_mask, params: SamplingParams, stop_ids: set[int]):
         """Decode with the SpeCache cache (rlsys.kvcache): low-bit keys/values in the fast tier,
@@ -182,11 +187,7 @@ class HFBackend:
             self.model, input_ids, attention_mask, params.max_new_tokens, **self.specache,
             temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p, top_k=params.top_k,
             eos_token_id=sorted(stop_ids), pad_token_id=self.pad_id)
-        results = []
-        for row, lp in zip(sequences[:, input_ids.shape[1]:].tolist(), logprobs.tolist()):
-            tokens, reason = cut_at_stop(row, stop_ids)
-            results.append((tokens, lp[: len(tokens)], reason))
-        return results
+        return rows_until_stop(sequences[:, input_ids.shape[1]:], logprobs, stop_ids)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         seqs = expand_requests(requests)

@@ -50,8 +50,8 @@ def _submit(args) -> int:
     from rlsys import jobs
     from rlsys.config import load_config
 
-    build_algorithm(load_config(args.config, args.overrides))  # a bad config fails here, not on the cluster
     cfg = load_config(args.config, [f"run.output_dir={Path.cwd() / 'runs'}", *args.overrides])  # as jobs.submit does
+    build_algorithm(cfg)  # a bad config fails here, not on the cluster
     run_dir = Path.cwd() / cfg.run.output_dir / cfg.run.name  # `rlsys eval attach JOB` finds cluster.json there
     print(jobs.submit(args.address, args.config, args.overrides, metadata={"rlsys_run_dir": str(run_dir)}))
     return 0
@@ -103,8 +103,8 @@ def _eval_parser(sub) -> None:
         if action != "attach":
             continue
         a.add_argument("spec", nargs="?", help="YAML spec: name, split|dataset, metric, temperature, n, every, ...")
+        kind = {"temperature": float, "n": int, "max_new_tokens": int, "limit": int, "every": int, "seed": int}
         for flag in SPEC_FLAGS:
-            kind = {"temperature": float, "n": int, "max_new_tokens": int, "limit": int, "every": int, "seed": int}
             a.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind.get(flag, str), default=None)
 
 

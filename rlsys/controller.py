@@ -150,6 +150,8 @@ class Controller:
         self.algorithm = build_algorithm(cfg)  # config errors surface before anything starts
         self.step = 0
         self.evals: list[dict] = []
+        self.attached = None  # the run's AttachedEvaluators, opened by run()
+        self.restored_evaluators: list[dict] = []  # evaluator specs a restored checkpoint held
 
     # ---- setup -------------------------------------------------------------------------
     def prepare_policy(self) -> Path:
@@ -299,9 +301,8 @@ class Controller:
         unless `rollout.eval_greedy` is off (or `greedy=False`), then pass@1 at the rollout temperature."""
         rows = self.task.rows(split)
         prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
-        params = self.ctx.sampling(n=1, temperature=0.0 if (self.cfg.rollout.eval_greedy if greedy is None else greedy)
-                                   else self.cfg.rollout.temperature,
-                                   seed=12345)
+        greedy = self.cfg.rollout.eval_greedy if greedy is None else greedy
+        params = self.ctx.sampling(n=1, temperature=0.0 if greedy else self.cfg.rollout.temperature, seed=12345)
         gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
         texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
         correct = [self.task.is_correct(prompts[g.request_index].meta, t) for g, t in zip(gens, texts)]
@@ -326,7 +327,7 @@ class Controller:
             "controller_rng": self.ctx.rng.bit_generator.state,
             "buffer_rng": ray.get(self.buffer.rng_state.remote()),
             "algorithm": self.algorithm.state(),
-            "evaluators": self.attached.specs() if getattr(self, "attached", None) else [],
+            "evaluators": self.attached.specs() if self.attached else [],
         }
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(dump_config(self.cfg))
@@ -389,7 +390,7 @@ class Controller:
         else:
             first = last_eval = self.evaluate()
             tracker.log_eval(self.step, "heldout", first, self.ctx.policy_version)
-        self.attached.start(policy_dir, self.task, cfg.rollout.max_new_tokens, getattr(self, "restored_evaluators", []))
+        self.attached.start(policy_dir, self.task, cfg.rollout.max_new_tokens, self.restored_evaluators)
         every = cfg.trainer.checkpoint_every
         bar = _bar(cfg.trainer.steps, f"{cfg.algorithm.name}", self.progress, initial=self.step)
         while self.step < cfg.trainer.steps:
