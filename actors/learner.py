@@ -8,9 +8,11 @@ averages gradients.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import defaultdict
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +33,23 @@ def deepspeed_config(zero_stage: int, grad_clip: float) -> dict:
     }
 
 
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
+                  min_ratio: float = 0.0) -> float:
+    """The learning-rate factor after `step` optimizer steps: linear warm-up from 1/warmup to 1
+    over `warmup_steps`, then `constant` (1), `linear` (1 -> min_ratio) or `cosine`
+    (min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * progress))) until `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr schedule {schedule!r} (constant, linear, cosine)")
+
+
 class Learner:
     def __init__(
         self,
@@ -48,7 +67,12 @@ class Learner:
         world_size: int = 1,
         master_port: int = 29500,
         seed: int = 0,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        total_steps: int = 0,
+        min_lr_ratio: float = 0.0,
     ):
+        """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step)."""
         os.environ.update(
             RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
@@ -69,8 +93,11 @@ class Learner:
         policy = load_model(model_dir)
         module = PolicyWithValueHead(policy) if algorithm.needs_value_head else PolicyOnly(policy)
         optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+            lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps, schedule=lr_schedule,
+            min_ratio=min_lr_ratio))  # stepped by the engine, saved in its checkpoints
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=deepspeed_config(zero_stage, grad_clip)
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(zero_stage, grad_clip)
         )
         self.steps = 0
 
@@ -92,6 +119,7 @@ class Learner:
                 mb = mb.trim()
                 logits, logprobs, values = self.engine(mb.input_ids, mb.attention_mask, self.temperature)
                 loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
+                metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
                 self.engine.backward(loss)
                 self.engine.step()
                 metrics["loss"] = loss.item()

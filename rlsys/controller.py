@@ -140,6 +140,14 @@ class ActorContext:
             return ray.get(self.teacher.top_logprobs.remote(table, k))
 
 
+def learner_schedule(cfg: JobConfig) -> dict:
+    """The learner's lr schedule in optimizer steps (epochs x minibatches per trainer step)."""
+    l = cfg.learner
+    per_step = l.epochs * l.minibatches
+    return dict(lr_schedule=l.lr_schedule, warmup_steps=l.warmup_steps * per_step,
+                total_steps=cfg.trainer.steps * per_step, min_lr_ratio=l.min_lr_ratio)
+
+
 def _worker_seeded(params: SamplingParams, worker: int) -> SamplingParams:
     return params if params.seed is None else dataclasses.replace(params, seed=params.seed + 7919 * worker)
 
@@ -208,7 +216,8 @@ class Controller:
             ray.remote(Learner).options(num_cpus=0.5).remote(
                 str(policy_dir), self.algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
                 zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
-                threads=l.threads, rank=rank, world_size=l.num_ranks, master_port=port, seed=cfg.run.seed)
+                threads=l.threads, rank=rank, world_size=l.num_ranks, master_port=port, seed=cfg.run.seed,
+                **learner_schedule(cfg))
             for rank in range(l.num_ranks)
         ]
         self.buffer = ray.remote(ExperienceBuffer).options(num_cpus=0.1).remote(

@@ -25,10 +25,17 @@ def run_job(tmp_path, algorithm, extra=()):
 
 
 def test_grpo_two_rank_learner_two_workers(ray_cluster, tmp_path):
-    controller, summary = run_job(tmp_path, "grpo", ["trainer.steps=3", "learner.num_ranks=2", "learner.zero_stage=2"])
+    from actors.learner import lr_multiplier
+
+    controller, summary = run_job(tmp_path, "grpo", ["trainer.steps=3", "learner.num_ranks=2", "learner.zero_stage=2",
+                                                     "learner.lr_schedule=linear", "learner.warmup_steps=1",
+                                                     "learner.min_lr_ratio=0.2"])
     run_dir = tmp_path / "grpo"
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    lr = controller.cfg.learner.lr  # the schedule is stepped by the DeepSpeed engine on both ranks
+    assert [r["lr"] for r in rows] == pytest.approx([lr * lr_multiplier(s, 3, 1, "linear", 0.2) for s in range(3)])
+    assert rows[2]["lr"] == pytest.approx(0.6 * lr)
     for key in ("reward/mean", "accuracy/train", "kl_ref", "loss", "time/generate", "time/train", "time/sync",
                 "perf/tokens_per_s"):
         assert key in rows[0], key
