@@ -1,8 +1,10 @@
 """Reward worker: rule rewards from the task, or a sequence-classification reward model.
 
 Rule path: decode each response and call `task.reward(row, text)` with the row stored in
-the experience's `meta`. Model path: `AutoModelForSequenceClassification` from a local
-directory scores prompt + response (the logit of its single label).
+the experience's `meta`; a task with `shaping` (config `task.shaping`, envs/rewards.py) has
+its reward shaped from the response's token ids (cosine length reward, repetition penalty).
+Model path: `AutoModelForSequenceClassification` from a local directory scores prompt +
+response (the logit of its single label).
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ class RewardWorker:
             return self._model_scores(table)
         texts = self.decode(table)
         metas = [json.loads(m) for m in table.column("meta").to_pylist()]
+        if getattr(self.task, "shaping", None):  # task.shaping (envs/rewards.py): token lengths and ids
+            ids = table.column("response_ids").to_pylist()
+            return [float(self.task.shaped_reward(meta, text, r).reward) for meta, text, r in zip(metas, texts, ids)]
         return [float(self.task.reward(meta, text)) for meta, text in zip(metas, texts)]
 
     @torch.no_grad()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from envs.arithmetic import ArithmeticTask
+from envs.rewards import with_shaping
 
 TASKS = ("arithmetic",)
 
@@ -20,4 +21,4 @@ def make_task(task_cfg, data_dir: Path, seed: int):
             task_cfg.operations, seed,
         )
     task.rows("train"), task.rows("eval")  # fail now, with the row, if the data is bad
-    return task
+    return with_shaping(task, task_cfg.shaping)

@@ -51,6 +51,8 @@ class TaskConfig(Section):
     min_value: int = Field(0, ge=0)
     max_value: int = Field(99, ge=1)
     operations: list[Literal["+", "-", "*"]] = ["+"]
+    shaping: list[Any] = Field(default_factory=list, description="reward functions applied in order to the task's "
+                               "reward: names or {name: {params}} (cosine_length, repetition; envs/rewards.py checks them)")
 
 
 class SFTConfig(Section):
