@@ -19,6 +19,7 @@ import numpy as np
 import ray
 
 from algorithms.base import Prompt, build_algorithm
+from envs.rewards import build_shaping
 from rlsys.config import JobConfig, dump_config
 from rlsys.errors import LearnerFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
 from rlsys.generation import GenerationRequest, SamplingParams
@@ -156,6 +157,7 @@ class Controller:
     def __init__(self, cfg: JobConfig, run_dir: Path, progress: bool = True):
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
         self.algorithm = build_algorithm(cfg)  # config errors surface before anything starts
+        build_shaping(cfg.task.shaping)  # and those of task.shaping (make_task builds it again)
         self.step = 0
         self.evals: list[dict] = []
         self.attached = None  # the run's AttachedEvaluators, opened by run()

@@ -101,6 +101,15 @@ def test_config_errors_are_one_line(entries, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_bad_shaping_entry_fails_when_the_controller_is_built(tmp_path):
+    from rlsys.controller import Controller
+
+    cfg = load_config("configs/quickstart.yaml", ["task.shaping=[{cosine_length: {max_length: 16, margin: 16}}]"])
+    with pytest.raises(ConfigError, match=r"^config error: task.shaping\[0\].cosine_length = .*margin 16 must be below"):
+        Controller(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_make_task_and_reward_worker_apply_the_configured_shaping(tmp_path):
     """The reward actor class in-process (its Ray form is used by the integration test below)."""
     import pyarrow as pa
