@@ -32,9 +32,13 @@ def generate_problems(n_train: int, n_eval: int, lo: int, hi: int, ops: Sequence
     return problems[n_eval:], problems[:n_eval]
 
 
+ANSWER_MARKER = "#"  # ends a rationale: "<rationale>#<answer>" (BRiTE, algorithms/brite.py)
+
+
 def answer_text(response_text: str) -> str:
-    """The model's answer: the response up to the first whitespace or special token."""
-    text = response_text.split("<eos>")[0].strip()
+    """The model's answer: the response after its last ANSWER_MARKER (all of it when there is
+    none), up to the first whitespace or special token."""
+    text = response_text.split("<eos>")[0].rsplit(ANSWER_MARKER, 1)[-1].strip()
     return text.split()[0] if text else ""
 
 

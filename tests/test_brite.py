@@ -1,0 +1,274 @@
+"""BRiTE (../shared/papers/brite.md): the closed-form psi-step optimum is the Bayes posterior on
+a discrete toy, the psi-step estimator reaches it, repeated theta-steps raise log P(y*|x), the
+phase schedule and its checkpointed state, and the shaped reward equals a real model's
+log-prob of the gold answer."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from algorithms.brite import (
+    BRiTE,
+    PhasePosition,
+    close_rationale,
+    kl_regularised_returns,
+    kl_rl_optimum,
+    phase_at,
+    shaped_rewards,
+)
+from algorithms.common import clipped_policy_loss, rloo_advantages
+from algorithms.sft import sft_loss
+from rlsys.config import ConfigError, load_config
+
+
+# ---- pure functions ------------------------------------------------------------------------------
+def test_shaped_reward_sums_the_logprobs_after_the_rationale():
+    rows = [[-1.0, -2.0, -0.5, -0.25], [-3.0, -0.125], [-1.0]]
+    assert shaped_rewards(rows, [2, 1, 0]).tolist() == [-0.75, -0.125, -1.0]
+    assert shaped_rewards([[-1.0, -2.0]], [2]).tolist() == [0.0]  # nothing after the rationale: log 1
+
+
+def test_closed_form_optimum_is_the_bayes_posterior_and_the_maximiser():
+    rng = np.random.default_rng(0)
+    for m in (2, 5, 12):
+        prior = rng.dirichlet(np.ones(m))  # P(z | x)
+        success = rng.uniform(0.01, 0.99, m)  # P(o = 1 | x, z), the binary outcome
+        q = kl_rl_optimum(np.log(prior), np.log(success))  # r = log P(o=1 | x, z), beta = 1
+        posterior = prior * success / np.sum(prior * success)  # Bayes: P(z | x, o = 1)
+        assert q == pytest.approx(posterior, abs=1e-12)
+
+        def objective(dist):  # E_Q[r] - KL(Q || P)
+            return float(np.sum(dist * (np.log(success) - np.log(dist / prior))))
+
+        assert objective(q) == pytest.approx(math.log(np.sum(prior * success)))  # = log P(o = 1 | x)
+        assert all(objective(rng.dirichlet(np.ones(m))) < objective(q) for _ in range(200))
+    # beta scales the reward: beta -> 0 puts all mass on the best rationale, beta -> inf keeps the prior
+    prior, r = np.array([0.7, 0.2, 0.1]), np.log([0.1, 0.5, 0.9])
+    assert kl_rl_optimum(np.log(prior), r, beta=1e-3) == pytest.approx([0, 0, 1], abs=1e-9)
+    assert kl_rl_optimum(np.log(prior), r, beta=1e6) == pytest.approx(prior, abs=1e-5)
+
+
+def test_psi_step_estimator_converges_to_the_posterior():
+    """The psi-step as the learner runs it (KL-regularised returns, leave-one-out baseline,
+    clipped surrogate) on a tabular sampler Q over M rationales reaches Q* = P(z | x, o=1)."""
+    gen = torch.Generator().manual_seed(0)
+    prior = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    success = torch.tensor([0.05, 0.6, 0.2, 0.9])
+    posterior = prior * success / (prior * success).sum()
+    logits = torch.log(prior).clone().requires_grad_(True)  # Q starts at the prior P(. | x, theta)
+    opt = torch.optim.SGD([logits], lr=0.5)
+    for _ in range(600):
+        logq = torch.log_softmax(logits, 0)
+        z = torch.multinomial(logq.exp().detach(), 64, replacement=True, generator=gen)
+        returns = kl_regularised_returns(torch.log(success[z]).numpy(), logq[z].detach().numpy(),
+                                         torch.log(prior[z]).numpy(), beta=1.0)
+        adv = torch.tensor(rloo_advantages(returns, ["x"] * 64), dtype=torch.float32)
+        loss, _, _ = clipped_policy_loss(logq[z][:, None], logq[z].detach()[:, None], adv[:, None], torch.ones(64, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    q = torch.softmax(logits, 0).detach()
+    assert 0.5 * (q - posterior).abs().sum().item() < 0.03, (q, posterior)
+    assert 0.5 * (prior - posterior).abs().sum().item() > 0.3  # far from where it started
+
+
+def test_repeated_theta_steps_increase_log_likelihood_of_the_gold_answer():
+    """Tabular P(z|x) and P(y|x,z) over M rationales and K answers. Each iteration: the psi-step's
+    closed-form Q* under the current theta, then a theta-step: sft_loss (mean NLL of the rationale
+    and gold-answer tokens) on rationales sampled from Q*. log P(y*|x) rises every iteration."""
+    torch.manual_seed(0)
+    m, k, gold = 6, 5, 3
+    z_logits = torch.randn(m).requires_grad_(True)
+    y_logits = (torch.randn(m, k) - 2.0 * torch.nn.functional.one_hot(torch.tensor(gold), k)).requires_grad_(True)
+    opt = torch.optim.SGD([z_logits, y_logits], lr=0.5)
+
+    def log_p_gold():
+        return torch.logsumexp(torch.log_softmax(z_logits, 0) + torch.log_softmax(y_logits, 1)[:, gold], 0).item()
+
+    history = [log_p_gold()]
+    for _ in range(8):
+        with torch.no_grad():
+            r = torch.log_softmax(y_logits, 1)[:, gold]  # shaped reward log P(y*|x,z,theta)
+            q = kl_rl_optimum(torch.log_softmax(z_logits, 0).numpy(), r.numpy())
+        z = torch.multinomial(torch.tensor(q), 256, replacement=True)
+        for _ in range(5):
+            token_logprobs = torch.stack([torch.log_softmax(z_logits, 0)[z], torch.log_softmax(y_logits, 1)[z, gold]], 1)
+            loss = sft_loss(token_logprobs, torch.ones_like(token_logprobs))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        history.append(log_p_gold())
+    assert all(b > a for a, b in zip(history, history[1:])), history
+    assert history[-1] > history[0] + 1.0, history
+
+
+@pytest.mark.parametrize("psi, theta", [(1, 1), (2, 1), (3, 2), (0, 2), (2, 0)])
+def test_phase_schedule(psi, theta):
+    pos = PhasePosition().settle(psi, theta)
+    for step in range(20):
+        assert (pos.phase, pos.iteration) == phase_at(step, psi, theta)
+        pos = pos.advance(psi, theta)
+    assert [phase_at(s, 2, 1)[0] for s in range(6)] == ["psi", "psi", "theta"] * 2
+    assert [phase_at(s, 2, 1)[1] for s in range(6)] == [0, 0, 0, 1, 1, 1]
+
+
+def test_state_round_trips_and_resumes_inside_the_phase():
+    algo = BRiTE(BRiTE.Config(psi_steps=3, theta_steps=2))
+    algo.position = PhasePosition("psi", 4, 2)
+    other = BRiTE(BRiTE.Config(psi_steps=3, theta_steps=2))
+    other.load_state(json.loads(json.dumps(algo.state())))
+    assert other.position == PhasePosition("psi", 4, 2)
+    shorter = BRiTE(BRiTE.Config(psi_steps=2, theta_steps=2))  # psi phase shortened on resume: theta next
+    shorter.load_state(algo.state())
+    assert shorter.position == PhasePosition("theta", 4, 0)
+    with pytest.raises(ValueError, match="phase 'rl'"):
+        other.load_state({"phase": "rl", "iteration": 0, "step_in_phase": 0})
+
+
+def test_close_rationale():
+    marker, eos = 7, 2
+    assert close_rationale([5, 6, 7], [-1.0, -2.0, -0.5], marker, eos) == ([5, 6, 7], [-1.0, -2.0, -0.5], [1, 1, 1])
+    assert close_rationale([5, 2], [-1.0, -3.0], marker, eos) == ([5, 7], [-1.0, 0.0], [1, 0])  # eos dropped
+    assert close_rationale([5, 6], [-1.0, -2.0], marker, eos) == ([5, 6, 7], [-1.0, -2.0, 0.0], [1, 1, 0])  # length
+    assert close_rationale([2], [-0.1], marker, eos) == ([7], [0.0], [0])
+
+
+def test_answer_after_the_marker():
+    from envs.arithmetic import ANSWER_MARKER, ArithmeticTask, answer_text
+
+    assert ANSWER_MARKER == "#"
+    assert answer_text("7+8=15 1#95") == "95" and answer_text("#95<eos>") == "95" and answer_text("95 3") == "95"
+    assert answer_text("1#2#3") == "3" and answer_text("12#") == ""
+    row = {"prompt": "37+58=", "answer": "95"}
+    assert ArithmeticTask.is_correct(None, row, "85#95") and not ArithmeticTask.is_correct(None, row, "95#85")
+
+
+@pytest.mark.parametrize("override, words", [
+    ("algorithm.psi_steps=-1", ["algorithm.psi_steps", "-1", "greater than or equal to 0"]),
+    ("algorithm.group_size=1", ["algorithm.group_size", "1", "greater than or equal to 2"]),
+    ("algorithm.theta_steps=0", ["algorithm", "psi_steps + theta_steps must be at least 1"]),
+    ("algorithm.phases=3", ["unknown key 'algorithm.phases'"]),
+])
+def test_bad_config_fails_in_one_line(override, words):
+    from algorithms.base import build_algorithm
+
+    extra = ["algorithm.psi_steps=0"] if "theta_steps=0" in override else []
+    with pytest.raises(ConfigError) as e:
+        build_algorithm(load_config("configs/brite.yaml", [override, *extra]))
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+# ---- the plug-in on a real tiny model, in-process --------------------------------------------------
+class InProcessContext:
+    """The RolloutContext BRiTE uses, served in-process by the real HF rollout backend and a real
+    ReferenceWorker forward on the same weights (no Ray: this test is about the scoring pass)."""
+
+    def __init__(self, task, tokenizer, model_dir):
+        from actors.reference import ReferenceWorker
+        from actors.rollout import HFBackend
+
+        self.task, self.tokenizer, self.policy_version = task, tokenizer, 0
+        self.backend, self.scorer = HFBackend(str(model_dir)), ReferenceWorker(str(model_dir))
+        self.rng = np.random.default_rng(0)
+
+    def sampling(self, **overrides):
+        from rlsys.generation import SamplingParams
+
+        base = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(self.tokenizer.eos_token_id,))
+        return SamplingParams(**{**base.__dict__, **overrides})
+
+    def generate(self, requests):
+        return self.backend.generate(requests)
+
+    def next_seed(self):
+        return int(self.rng.integers(0, 2**31 - 1))
+
+    def policy_logprobs(self, table):
+        return self.scorer.logprobs(table)
+
+    ref_logprobs = policy_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from envs.arithmetic import ArithmeticTask
+    from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("brite")
+    task = ArithmeticTask.create(root / "data", 50, 10, 0, 49, ["+"], 0)
+    tok = train_tokenizer(task.corpus(), 64)
+    spec = TinyModelSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1)
+    model = build_tiny_model(spec, tok, seed=0).eval()
+    return task, tok, model, save_model_dir(model, tok, root / "m")
+
+
+def _prompts(task, tok, n):
+    from algorithms.base import Prompt
+
+    rows = task.rows("train")[:n]
+    return [Prompt(f"p{i}", tok(r["prompt"], add_special_tokens=False)["input_ids"], r["prompt"], r)
+            for i, r in enumerate(rows)]
+
+
+@torch.no_grad()
+def test_shaped_reward_equals_the_models_logprob_of_the_gold_answer(tiny):
+    from actors.modeling import PolicyOnly
+    from algorithms.base import ModelOutputs
+
+    task, tok, model, model_dir = tiny
+    algo = BRiTE(BRiTE.Config(group_size=3, rationale_tokens=4, answer_tokens=3))
+    table = algo.rollout(InProcessContext(task, tok, model_dir), _prompts(task, tok, 4))
+    assert table.num_rows == 12 and set(table.column("phase").to_pylist()) == {"psi"}
+    marker = tok("#", add_special_tokens=False)["input_ids"][0]
+    for row in table.to_pylist():
+        meta, n = json.loads(row["meta"]), row["rationale_len"]
+        z, gold = row["response_ids"][:n], row["response_ids"][n:]
+        assert z[-1] == marker and marker not in z[:-1] and tok.eos_token_id not in z
+        assert gold == tok(meta["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert row["loss_mask"] == [1] * (n - 1) + [int(meta["marker_sampled"])] + [0] * len(gold)
+        # direct forward, one token at a time: log P(y* eos | x, z) by the chain rule
+        prefix, direct = list(row["prompt_ids"]) + z, 0.0
+        for t in gold:
+            direct += torch.log_softmax(model(torch.tensor([prefix])).logits[0, -1].float(), -1)[t].item()
+            prefix.append(t)
+        assert row["shaped_reward"] == pytest.approx(direct, abs=1e-4)
+        assert row["reward"] == float(task.is_correct(meta, meta["sampled"]))
+        assert meta["sampled"].startswith(tok.decode(z, skip_special_tokens=True))
+
+    # psi-step: advantages only on sampled rationale tokens, leave-one-out: they sum to 0 per prompt
+    batch = algo.prepare(table)
+    assert algo.position == PhasePosition("theta", 0, 0)
+    assert ((batch.advantages != 0) <= (batch.response_mask > 0)).all()
+    returns = algo.returns(table)  # sampler = reference here: the KL term is ~0, R = r
+    assert returns == pytest.approx(table.column("shaped_reward").to_pylist(), abs=1e-3)
+    expected = rloo_advantages(returns, table.column("group").to_pylist())
+    for a, m, e in zip(batch.advantages, batch.response_mask, expected):
+        assert a[m > 0].tolist() == pytest.approx([e] * int(m.sum()), abs=1e-5)
+    policy = PolicyOnly(model)
+    logits, logprobs, _ = policy(batch.input_ids, batch.attention_mask)
+    loss, metrics = algo.loss(ModelOutputs(logits, logprobs), batch)
+    assert "loss/psi_policy" in metrics and metrics["clip_frac"] == 0.0  # same weights: ratio 1
+
+    # theta-step: the mean NLL of rationale + gold answer tokens
+    theta_table = algo.rollout(InProcessContext(task, tok, model_dir), _prompts(task, tok, 4))
+    assert set(theta_table.column("phase").to_pylist()) == {"theta"}
+    assert all(set(m) == {1} for m in theta_table.column("loss_mask").to_pylist())
+    batch = algo.prepare(theta_table)
+    assert algo.position == PhasePosition("psi", 1, 0)
+    logits, logprobs, _ = policy(batch.input_ids, batch.attention_mask)
+    loss, metrics = algo.loss(ModelOutputs(logits, logprobs), batch)
+    nll = -np.concatenate([np.asarray(s) for s in InProcessContext(task, tok, model_dir).policy_logprobs(theta_table)])
+    assert loss.item() == pytest.approx(nll.mean(), rel=1e-4) and set(metrics) == {"loss/theta_nll"}
+    assert algo.prepare_metrics(theta_table)["brite/theta_phase"] == 1.0
+
+
+def test_rollout_needs_temperature_one(tiny):
+    task, tok, model, model_dir = tiny
+    ctx = InProcessContext(task, tok, model_dir)
+    ctx.sampling = lambda **kw: InProcessContext.sampling(ctx, **{"temperature": 0.7, **kw})
+    with pytest.raises(ValueError, match="rollout.temperature must be 1.0"):
+        BRiTE().rollout(ctx, _prompts(task, tok, 1))
