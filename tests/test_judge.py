@@ -1,0 +1,213 @@
+"""The generative judge (actors/judge.py, ../shared/papers/judge.md): prompt sections in
+order, the plan written from the instruction alone, verdict parsing, order-swap handling,
+unparsable verdicts reported as such, rewards from judgements; then real tiny models through
+the real HF rollout backend."""
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from actors.judge import (
+    UNPARSABLE,
+    JudgeWorker,
+    combine_orders,
+    judgement_metrics,
+    pairwise_prompt,
+    parse_score,
+    parse_verdict,
+    plan_prompt,
+    pointwise_prompt,
+    round_robin,
+    score_reward,
+    swap_verdict,
+    win_rates,
+)
+
+
+def section_positions(prompt: str, names) -> list[int]:
+    return [prompt.index(f"{name} (") for name in names]
+
+
+def test_prompt_sections_are_plan_execution_verdict_in_that_order():
+    plan = "1. check the sum"
+    for prompt in (pairwise_prompt("2+3=", plan, "5", "6"), pointwise_prompt("2+3=", plan, "5", 1, 10)):
+        pos = section_positions(prompt, ("Plan", "Execution", "Verdict"))
+        assert pos == sorted(pos)
+        # the filled-in plan comes before the execution the model is asked to write, which ends the prompt
+        assert prompt.index("Plan:\n1. check the sum") < prompt.rindex("Execution:\n")
+        assert prompt.endswith("Execution:\n")
+    pair = pairwise_prompt("2+3=", plan, "five", "six")
+    assert pair.index("Response A:\nfive") < pair.index("Response B:\nsix") < pair.index("Plan:\n")
+    assert "Verdict: A" in pair and "Verdict: tie" in pair
+    assert "Score: N" in pointwise_prompt("q", plan, "r", 1, 10)
+
+
+def test_plan_prompt_sees_the_instruction_only():
+    prompt = plan_prompt("What is 2+3?")
+    assert "What is 2+3?" in prompt and prompt.endswith("Plan:\n")
+    assert "Response" not in prompt and "Verdict" not in prompt
+
+
+@pytest.mark.parametrize("text, verdict", [
+    ("step 1: ok\nVerdict: A", "A"),
+    ("Verdict: B\n\n", "B"),
+    ("blah\n  verdict:   tie.  ", "tie"),
+    ("VERDICT: b", "B"),
+    ("Verdict: A\nmore text after the verdict", UNPARSABLE),  # not the final line
+    ("Verdict: C", UNPARSABLE),
+    ("Verdict: A or B", UNPARSABLE),
+    ("I prefer A", UNPARSABLE),
+    ("", UNPARSABLE),
+    ("Verdict:", UNPARSABLE),
+])
+def test_parse_verdict_reads_the_final_line_only(text, verdict):
+    assert parse_verdict(text) == verdict
+
+
+@pytest.mark.parametrize("text, score", [
+    ("Score: 7", 7), ("x\nscore: 10.", 10), ("Score: 1", 1),
+    ("Score: 11", None), ("Score: 0", None), ("Score: 7.5", None), ("Score: seven", None), ("7", None), ("", None),
+])
+def test_parse_score_in_range_or_unparsable(text, score):
+    assert parse_score(text, 1, 10) == score
+
+
+def test_order_swap_combination():
+    assert [swap_verdict(v) for v in ("A", "B", "tie", UNPARSABLE)] == ["B", "A", "tie", UNPARSABLE]
+    # (A,B) says A and (B,A) says B (= A in the original frame): a preference for A
+    assert combine_orders("A", "B") == ("A", False)
+    assert combine_orders("B", "A") == ("B", False)
+    assert combine_orders("tie", "tie") == ("tie", False)
+    # a position-biased judge (always the first slot) disagrees with itself: a tie, counted
+    assert combine_orders("A", "A") == ("tie", True)
+    assert combine_orders("B", "B") == ("tie", True)
+    assert combine_orders("A", "tie") == ("tie", True)
+    # one unparsable pass makes the pair unparsable, never a preference
+    for other in ("A", "B", "tie", UNPARSABLE):
+        assert combine_orders(other, UNPARSABLE) == (UNPARSABLE, False)
+        assert combine_orders(UNPARSABLE, other) == (UNPARSABLE, False)
+
+
+def test_order_swap_makes_the_verdict_symmetric():
+    """Judging (a, b) and judging (b, a) give mirrored combined verdicts, for every pair of pass outcomes."""
+    outcomes = ("A", "B", "tie", UNPARSABLE)
+    for first in outcomes:
+        for second in outcomes:
+            verdict, _ = combine_orders(first, second)
+            mirrored, _ = combine_orders(second, first)  # the same two passes, the pair given the other way round
+            assert mirrored == swap_verdict(verdict)
+
+
+def test_win_rates_and_score_rewards():
+    assert round_robin(3) == [(0, 1), (0, 2), (1, 2)]
+    assert win_rates(2, {(0, 1): "A"}) == [1.0, 0.0]
+    assert win_rates(2, {(0, 1): "B"}) == [0.0, 1.0]
+    for no_preference in ("tie", UNPARSABLE):
+        assert win_rates(2, {(0, 1): no_preference}) == [0.5, 0.5]
+    rates = win_rates(3, {(0, 1): "A", (0, 2): "A", (1, 2): "tie"})
+    assert rates == [1.0, 0.25, 0.25] and sum(rates) == pytest.approx(3 / 2)  # one point per pair in all
+    assert win_rates(1, {}) == [0.5]
+    assert score_reward(1, 1, 10, -1.0) == 0.0 and score_reward(10, 1, 10, -1.0) == 1.0
+    assert score_reward(None, 1, 10, -1.0) == -1.0
+
+
+def test_metrics_count_disagreements_and_unparsable():
+    from actors.judge import PairJudgement, PointJudgement
+
+    pairs = [PairJudgement(*combine_orders(a, b)[:1], (a, b), combine_orders(a, b)[1])
+             for a, b in (("A", "B"), ("A", "A"), ("B", UNPARSABLE), ("tie", "tie"))]
+    m = judgement_metrics(pairs, [PointJudgement(7), PointJudgement(None)])
+    assert m["judge/pairs"] == 4 and m["judge/a"] == 0.25 and m["judge/tie"] == 0.5
+    assert m["judge/order_disagreements"] == 0.25 and m["judge/unparsable"] == 0.25 and m["judge/b"] == 0.0
+    assert m["judge/unparsable_scores"] == 0.5 and m["judge/score_mean"] == 7
+
+
+# ---- real tiny models through the real HF backend ---------------------------------------------
+INSTRUCTIONS = [f"{a}+{b}=" for a in range(4) for b in range(4)]
+
+
+def scripted_rows():
+    """Training rows for a tiny judge that always writes the same thing for each pass: a plan,
+    `Verdict: A` (it always picks the first slot: position bias) and `Score: 7`."""
+    rows = []
+    for k, inst in enumerate(INSTRUCTIONS):
+        a, b = str(k % 7), str((k + 3) % 7)
+        rows += [{"prompt": plan_prompt(inst), "answer": "compare the sums"},
+                 {"prompt": pairwise_prompt(inst, "compare the sums", a, b), "answer": "A is first.\nVerdict: A"},
+                 {"prompt": pointwise_prompt(inst, "compare the sums", a, 1, 10), "answer": "fine.\nScore: 7"}]
+    return rows
+
+
+class PromptTask:
+    """Rows whose prompt is already the text (for algorithms.sft.warmup)."""
+
+    def prompt_text(self, row):
+        return row["prompt"]
+
+
+@pytest.fixture(scope="module")
+def judge_dirs(tmp_path_factory):
+    """A random-init tiny judge and one trained to the scripted behaviour, both saved with save_pretrained."""
+    import torch
+
+    from algorithms.sft import warmup
+    from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer
+
+    torch.set_num_threads(1)
+    rows = scripted_rows()
+    tokenizer = train_tokenizer([r["prompt"] + r["answer"] for r in rows], 512)
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=512)
+    root = tmp_path_factory.mktemp("judges")
+    random_dir = save_model_dir(build_tiny_model(spec, tokenizer, seed=1), tokenizer, root / "random")
+    model = build_tiny_model(spec, tokenizer, seed=2)
+    warmup(model, tokenizer, PromptTask(), rows, steps=100, batch_size=12, lr=1e-2, seed=0)
+    scripted_dir = save_model_dir(model, tokenizer, root / "scripted")
+    return random_dir, scripted_dir
+
+
+def experience(prompts, responses, groups, tokenizer):
+    from rlsys.experience import make_experience
+
+    enc = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]
+    return make_experience([dict(uid=str(k), group=g, prompt_ids=enc(p), response_ids=enc(r), logprobs=[0.0] * len(enc(r)),
+                                 reward=0.0, policy_version=0) for k, (p, r, g) in enumerate(zip(prompts, responses, groups))])
+
+
+def test_random_tiny_judge_verdicts_are_reported_unparsable(judge_dirs):
+    random_dir, _ = judge_dirs
+    judge = JudgeWorker(str(random_dir), options={"max_plan_tokens": 8, "max_execution_tokens": 12})
+    pairs = judge.pairwise([("2+3=", "5", "6"), ("1+1=", "2", "3")])
+    for j in pairs:
+        assert j.orders == (UNPARSABLE, UNPARSABLE) and j.verdict == UNPARSABLE and not j.disagreement
+        assert j.plan and all(isinstance(e, str) for e in j.executions)
+    assert judge.judge("2+3=", ["5"]).score is None
+    m = judge.take_metrics()
+    assert m["judge/unparsable"] == 1.0 and m["judge/a"] == m["judge/b"] == 0.0 and m["judge/unparsable_scores"] == 1.0
+    assert judge.take_metrics() == {}  # counted once
+    # as a reward source: no preference from an unparsable pair, the configured value for an unparsable score
+    table = experience(["2+3=", "2+3="], ["5", "6"], ["g", "g"], judge.tokenizer)
+    judge.options.mode = "pairwise"
+    assert judge.score(table) == [0.5, 0.5]
+    judge.options.mode, judge.options.unparsable_reward = "pointwise", -1.0
+    assert judge.score(table) == [-1.0, -1.0]
+    with pytest.raises(ValueError, match="one response .* or two"):
+        judge.judge("q", ["a", "b", "c"])
+
+
+def test_scripted_tiny_judge_parsable_verdicts_are_combined_right(judge_dirs):
+    _, scripted_dir = judge_dirs
+    judge = JudgeWorker(str(scripted_dir), options={"max_plan_tokens": 8, "max_execution_tokens": 16})
+    j = judge.judge("2+3=", ["5", "6"])
+    assert j.executions[0].strip().endswith("Verdict: A") and j.executions[1].strip().endswith("Verdict: A")
+    # "A" in both orders means the first slot both times: position bias, combined into a counted tie
+    assert j.orders == ("A", "A") and j.verdict == "tie" and j.disagreement
+    assert judge.judge("2+3=", ["5"]).score == 7
+    m = judge.take_metrics()
+    assert m["judge/order_disagreements"] == 1.0 and m["judge/tie"] == 1.0 and m["judge/score_mean"] == 7
+    # rewards: pointwise 7 on 1..10 -> 2/3; pairwise win rates in groups of 3 and 2 -> all ties
+    table = experience(["1+2="] * 3 + ["3+3="] * 2, ["3", "4", "5", "6", "7"], ["x"] * 3 + ["y"] * 2, judge.tokenizer)
+    assert np.allclose(judge.score(table), 6 / 9)
+    judge.options.mode = "pairwise"
+    assert judge.score(table) == [0.5] * 5
+    m = judge.take_metrics()
+    assert m["judge/pairs"] == 3 + 1 and m["judge/order_disagreements"] == 1.0
