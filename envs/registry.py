@@ -6,14 +6,19 @@ from pathlib import Path
 from envs.arithmetic import ArithmeticTask
 from envs.rewards import with_shaping
 
-TASKS = ("arithmetic",)
+TASKS = ("arithmetic", "code", "humaneval")
 
 
 def make_task(task_cfg, data_dir: Path, seed: int):
     """Build the configured task; user data (train_path/eval_path) replaces generated rows."""
-    if task_cfg.name != "arithmetic":
+    if task_cfg.name not in TASKS:
         raise ValueError(f"unknown task '{task_cfg.name}' (available: {', '.join(TASKS)})")
-    if task_cfg.train_path:
+    if task_cfg.name in ("code", "humaneval"):  # multi-turn code (RLEF): user rows, else HumanEval
+        from envs.code import CodeTask
+
+        task = (CodeTask(Path(task_cfg.train_path), Path(task_cfg.eval_path or task_cfg.train_path))
+                if task_cfg.train_path else CodeTask.humaneval(data_dir, task_cfg.num_train, task_cfg.num_eval))
+    elif task_cfg.train_path:
         task = ArithmeticTask(Path(task_cfg.train_path), Path(task_cfg.eval_path or task_cfg.train_path))
     else:
         task = ArithmeticTask.create(

@@ -136,6 +136,16 @@ class RayConfig(Section):
     num_cpus: Optional[int] = Field(None, ge=1)
 
 
+class SandboxConfig(Section):
+    """Code execution for tasks that need it (task.name=code): a SandboxPool on Ray."""
+
+    backend: Literal["bwrap", "docker"] = "bwrap"
+    workers: int = Field(2, ge=1, le=256, description="concurrent sandboxed runs")
+    wall_time_s: float = Field(10.0, gt=0, le=600, description="per run (the paper: 10 s per test)")
+    cpu_time_s: float = Field(10.0, gt=0, le=600)
+    memory_mb: int = Field(1024, ge=64, le=65536, description="the paper: 1 GB")
+
+
 class AlgorithmSection(BaseModel):
     """Only `name` is checked here; the algorithm's own Config validates the other keys."""
 
@@ -153,6 +163,7 @@ class JobConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     buffer: BufferConfig = BufferConfig()
     ray: RayConfig = RayConfig()
+    sandbox: SandboxConfig = SandboxConfig()
     algorithm: AlgorithmSection = AlgorithmSection()
 
     def algorithm_params(self) -> dict[str, Any]:

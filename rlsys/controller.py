@@ -76,6 +76,7 @@ class ActorContext:
         self.restarted_workers = 0
         self.weights_ref = None  # the newest synced weights (None: the initial policy on disk)
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
+        self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
 
     @contextmanager
     def timed(self, phase: str):
@@ -136,6 +137,11 @@ class ActorContext:
         with self.timed("teacher"):
             return ray.get(self.teacher.logprobs.remote(table))
 
+    def execute(self, requests):
+        """Sandboxed runs (sandbox.ExecRequest), all sent to the pool at once; results in order."""
+        with self.timed("sandbox"):
+            return self.sandbox.run_many(list(requests))
+
     def teacher_top_logprobs(self, table, k: int = 0):
         with self.timed("teacher"):
             return ray.get(self.teacher.top_logprobs.remote(table, k))
@@ -173,6 +179,7 @@ class Controller:
 
         cfg = self.cfg
         self.task = make_task(cfg.task, self.run_dir / "data", cfg.run.seed)
+        self._check_sandbox()
         init_dir = self.run_dir / "policy_init"
         if (init_dir / "config.json").exists():
             self.tokenizer = load_tokenizer(init_dir)
@@ -229,8 +236,28 @@ class Controller:
                                 self.learners, cfg.run.seed)
         if teacher_dir:
             self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
+        if getattr(self.task, "needs_sandbox", False):
+            from sandbox.pool import SandboxPool
+
+            self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)
         prompts = [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))]
         self.stream = PromptStream(prompts, cfg.run.seed)
+
+    def _check_sandbox(self) -> None:
+        """A task that runs code gets the configured backend and limits, or the run stops here
+        with one line saying why the sandbox engine is unusable."""
+        if not getattr(self.task, "needs_sandbox", False):
+            return
+        from rlsys.errors import RunFailed
+        from sandbox.base import unavailable
+        from sandbox.types import Limits
+
+        s = self.cfg.sandbox
+        why = unavailable(s.backend)
+        if why:
+            raise RunFailed(f"task '{self.cfg.task.name}' runs code in the {s.backend} sandbox, which is unavailable "
+                            f"here: {why} (set up the engines: .ci/setup_sandbox.sh; or set sandbox.backend)")
+        self.task.use_sandbox(s.backend, Limits(wall_time_s=s.wall_time_s, cpu_time_s=s.cpu_time_s, memory_mb=s.memory_mb))
 
     def _prompt(self, uid: str, row: dict) -> Prompt:
         text = self.task.prompt_text(row)
@@ -427,6 +454,8 @@ class Controller:
         for row in self.attached.drain():
             tracker.log_eval(*row)
         self.attached.close()
+        if self.ctx.sandbox is not None:
+            self.ctx.sandbox.close()
         tracker.close()
         return {
             "run": cfg.run.name, "algorithm": cfg.algorithm.name, "steps": self.step,

@@ -1,0 +1,205 @@
+"""RLEF: multi-turn code RL with execution feedback (Gehring et al. 2024; ../shared/papers/rlef.md).
+
+Rollout: each prompt opens `samples_per_prompt` episodes of envs/code.py's CodeEpisode;
+turn by turn, every active episode's answer is generated, and all public-test runs of
+the turn go to the sandbox pool at once (`ctx.execute`); failed ones get the feedback
+as the next user turn; at the end all final codes run on the private tests at once.
+
+One experience row per episode: prompt = the problem, response = answer_1 + feedback_1 +
+answer_2 + ... with loss_mask 0 on the feedback (environment) tokens.
+
+Per-turn rewards (gamma = 1):
+    R_t = r_t - beta * mean_{tokens of answer t}(log pi - log ref)         (KL: geometric mean)
+    r_t = -0.2 for no parsable code; the last turn also +1/-1 on the private tests.
+    A_t = sum_{i>=t} R_i - V(c_t),   V(c_t) read at the last prompt token before answer t,
+shared by every token of answer t. Loss:
+    w * clipped surrogate(pi/pi_old, A, 0.2)  +  vf_coef * clipped value loss (0.2) at the V(c_t)
+with w = min(1, pi_old / mu) the importance weight to the behaviour policy mu (the
+sampler's logprobs; pi_old is the learner's own recomputation before the update), capped at 1.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import Field
+
+from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, set_token_column
+from algorithms.common import clipped_policy_loss, clipped_value_loss, masked_mean
+from rlsys.batch import TrainBatch, collate
+from rlsys.experience import make_experience, meta_of, new_uid
+from rlsys.generation import GenerationRequest
+
+LEARNER_LOGPROBS = pa.schema([("learner_logprobs", pa.list_(pa.float32()))])
+
+
+class RLEFConfig(AlgorithmConfig):
+    max_turns: int = Field(3, ge=1, le=10, description="answers per episode")
+    samples_per_prompt: int = Field(1, ge=1, le=64, description="episodes per prompt")
+    kl_coef: float = Field(0.05, ge=0, description="beta of the per-turn KL penalty")
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    value_clip: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    feedback_chars: int = Field(500, ge=80, le=20000, description="longest feedback turn, in characters")
+
+
+def turn_spans(turn_lengths: Sequence[int], feedback_lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) of each answer inside the episode's response: answer_1, feedback_1, answer_2, ..."""
+    spans, pos = [], 0
+    for t, n in enumerate(turn_lengths):
+        spans.append((pos, pos + n))
+        pos += n + (feedback_lengths[t] if t < len(feedback_lengths) else 0)
+    return spans
+
+
+def turn_kl(logprobs: Sequence[float], ref_logprobs: Sequence[float], spans: Sequence[tuple[int, int]]) -> list[float]:
+    """Per-turn mean over the answer's tokens of log pi - log ref (0 for an empty answer)."""
+    lp, ref = np.asarray(logprobs, dtype=np.float64), np.asarray(ref_logprobs, dtype=np.float64)
+    return [float((lp[a:b] - ref[a:b]).mean()) if b > a else 0.0 for a, b in spans]
+
+
+def turn_advantages(turn_rewards: Sequence[float], turn_kls: Sequence[float], turn_values: Sequence[float],
+                    kl_coef: float) -> tuple[np.ndarray, np.ndarray]:
+    """(returns G_t = sum_{i>=t} R_i, advantages A_t = G_t - V(c_t)) with
+    R_t = r_t - kl_coef * kl_t and gamma = 1."""
+    r = np.asarray(turn_rewards, dtype=np.float64) - kl_coef * np.asarray(turn_kls, dtype=np.float64)
+    returns = np.cumsum(r[::-1])[::-1]
+    return returns, returns - np.asarray(turn_values, dtype=np.float64)
+
+
+def spread_over_turns(per_turn: Sequence[float], spans: Sequence[tuple[int, int]], length: int) -> list[float]:
+    """A per-response-token list: per_turn[t] on every token of answer t, 0 on feedback tokens."""
+    out = [0.0] * length
+    for value, (a, b) in zip(per_turn, spans):
+        out[a:b] = [float(value)] * (b - a)
+    return out
+
+
+def capped_importance_weight(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor) -> torch.Tensor:
+    """min(1, pi_old / mu) per token (no gradient)."""
+    return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=1.0).detach()
+
+
+@register("rlef")
+class RLEF(StatelessMixin):
+    Config = RLEFConfig
+    needs_value_head = True
+
+    def __init__(self, config: RLEFConfig | None = None):
+        self.config = config or self.Config()
+
+    def rollout(self, ctx, prompts) -> pa.Table:
+        c, tok = self.config, ctx.tokenizer
+        if getattr(ctx, "sandbox", None) is None:
+            raise RuntimeError("rlef needs a task that runs code (task.name=code) and the run's sandbox pool")
+        starts = [p for p in prompts for _ in range(c.samples_per_prompt)]
+        episodes = [ctx.task.episode(p.meta, c.max_turns, uid=f"{p.uid}/{k % c.samples_per_prompt}",
+                                     feedback_chars=c.feedback_chars) for k, p in enumerate(starts)]
+        response = [[] for _ in episodes]  # token ids after the prompt
+        logprobs = [[] for _ in episodes]
+        loss_mask = [[] for _ in episodes]
+        answer_lengths = [[] for _ in episodes]
+        feedback_lengths = [[] for _ in episodes]
+        finish = [[] for _ in episodes]
+        while active := [i for i, e in enumerate(episodes) if not e.done]:
+            params = ctx.sampling(n=1, seed=ctx.next_seed())
+            gens = ctx.generate([GenerationRequest(list(starts[i].prompt_ids) + response[i], params) for i in active])
+            gens = sorted(gens, key=lambda g: g.request_index)
+            texts = tok.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+            requests = [episodes[i].submit(text) for i, text in zip(active, texts)]
+            results = iter(ctx.execute([r for r in requests if r is not None]))  # the whole turn at once
+            for i, g, req in zip(active, gens, requests):
+                feedback = episodes[i].observe(next(results) if req is not None else None)
+                response[i] += g.response_ids
+                logprobs[i] += g.logprobs
+                loss_mask[i] += [1] * len(g.response_ids)
+                answer_lengths[i].append(len(g.response_ids))
+                finish[i].append(g.finish_reason)
+                if feedback is not None:
+                    ids = tok(feedback, add_special_tokens=False)["input_ids"]
+                    response[i] += ids
+                    logprobs[i] += [0.0] * len(ids)
+                    loss_mask[i] += [0] * len(ids)
+                    feedback_lengths[i].append(len(ids))
+        finals = [e.final_request() for e in episodes]
+        results = iter(ctx.execute([r for r in finals if r is not None]))
+        for e, req in zip(episodes, finals):
+            e.finish(next(results) if req is not None else None)
+        rows = []
+        for i, (p, e) in enumerate(zip(starts, episodes)):
+            meta = {**p.meta, "turn_rewards": e.turn_rewards, "answer_lengths": answer_lengths[i],
+                    "feedback_lengths": feedback_lengths[i], "public_passed": e.public_passed,
+                    "private_passed": e.private_passed, "no_code_turns": sum(x is None for x in e.programs),
+                    "finish_reasons": finish[i]}
+            rows.append(dict(uid=new_uid(), group=p.uid, prompt_ids=list(p.prompt_ids), response_ids=response[i],
+                             logprobs=logprobs[i], loss_mask=loss_mask[i], reward=e.reward,
+                             policy_version=ctx.policy_version, meta=meta))
+        table = make_experience(rows, LEARNER_LOGPROBS)
+        table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
+        table = set_token_column(table, "values", ctx.values(table))
+        return set_token_column(table, "learner_logprobs", ctx.policy_logprobs(table))
+
+    def turn_targets(self, table: pa.Table) -> list[tuple[list[tuple[int, int]], np.ndarray, np.ndarray]]:
+        """Per row: the answer spans, G_t and A_t."""
+        out = []
+        behaviour, ref = table.column("logprobs").to_pylist(), table.column("ref_logprobs").to_pylist()
+        values = table.column("values").to_pylist()
+        for m, lp, rf, v in zip(meta_of(table), behaviour, ref, values):
+            spans = turn_spans(m["answer_lengths"], m["feedback_lengths"])
+            v_turn = [v[a] if a < len(v) else 0.0 for a, _ in spans]
+            returns, adv = turn_advantages(m["turn_rewards"], turn_kl(lp, rf, spans), v_turn, self.config.kl_coef)
+            out.append((spans, returns, adv))
+        return out
+
+    def prepare(self, table: pa.Table) -> TrainBatch:
+        batch = collate(table)  # old_logprobs: the sampler's (behaviour) logprobs
+        prompts = table.column("prompt_ids").to_pylist()
+        learner = table.column("learner_logprobs").to_pylist()
+        advantages, returns, value_mask = (torch.zeros_like(batch.response_mask) for _ in range(3))
+        old = batch.old_logprobs.clone()
+        for i, (spans, g, a) in enumerate(self.turn_targets(table)):
+            o = len(prompts[i]) - 1  # response token j sits at column o + j
+            old[i, o:o + len(learner[i])] = torch.tensor(learner[i])
+            for t, (s, e) in enumerate(spans):
+                advantages[i, o + s:o + e] = float(a[t])
+                if e > s:
+                    returns[i, o + s], value_mask[i, o + s] = float(g[t]), 1.0
+        batch.extras = {"behaviour_logprobs": batch.old_logprobs, "value_mask": value_mask}
+        batch.old_logprobs, batch.advantages, batch.returns = old, advantages * batch.response_mask, returns
+        return batch
+
+    def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
+        metas = meta_of(table)
+        turns = Counter(len(m["answer_lengths"]) for m in metas)
+        first_fail = [m for m in metas if len(m["answer_lengths"]) > 1 or not m["public_passed"]]
+        out = {
+            "rlef/private_pass": float(np.mean([bool(m["private_passed"]) for m in metas])),
+            "rlef/public_pass": float(np.mean([bool(m["public_passed"]) for m in metas])),
+            "rlef/turns_mean": float(np.mean([len(m["answer_lengths"]) for m in metas])),
+            "rlef/no_code_turns": float(np.mean([m["no_code_turns"] for m in metas])),
+            "rlef/fixed_after_feedback": float(np.mean([bool(m["public_passed"]) for m in first_fail])) if first_fail else 0.0,
+        }
+        for k in range(1, self.config.max_turns + 1):
+            out[f"rlef/turns_{k}"] = turns.get(k, 0) / len(metas)
+        return out
+
+    def loss(self, outputs: ModelOutputs, batch: TrainBatch):
+        c, mask = self.config, batch.response_mask
+        weight = capped_importance_weight(batch.old_logprobs, batch.extras["behaviour_logprobs"])
+        # w > 0, so -min(r*A, clip(r)*A) * w is the surrogate with advantages w*A
+        policy_loss, clip_frac, approx_kl = clipped_policy_loss(
+            outputs.logprobs, batch.old_logprobs, batch.advantages * weight, mask, c.clip_eps)
+        value_mask = batch.extras["value_mask"]
+        value_loss = clipped_value_loss(outputs.values, batch.old_values, batch.returns, value_mask, c.value_clip)
+        loss = policy_loss + c.vf_coef * value_loss
+        return loss, {
+            "loss/policy": policy_loss.item(),
+            "loss/value": value_loss.item(),
+            "clip_frac": clip_frac.item(),
+            "approx_kl_old": approx_kl.item(),
+            "kl_ref": masked_mean(outputs.logprobs.detach() - batch.ref_logprobs, mask).item(),
+            "is_weight_mean": masked_mean(weight, mask).item(),
+        }
