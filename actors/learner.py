@@ -12,6 +12,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -21,8 +22,10 @@ import torch
 from actors.modeling import PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy
 
 
-def deepspeed_config(zero_stage: int, grad_clip: float) -> dict:
-    return {
+def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
+    """The DeepSpeed config of a learner rank; `bf16` adds DeepSpeed's bf16 section (bf16
+    weights and activations, fp32 master weights in the optimizer), for CUDA learners."""
+    config = {
         "train_micro_batch_size_per_gpu": 1,  # we call the engine on whole minibatches ourselves
         "gradient_accumulation_steps": 1,
         "gradient_clipping": grad_clip,
@@ -31,6 +34,17 @@ def deepspeed_config(zero_stage: int, grad_clip: float) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def learner_device(prefer_cuda: bool = True) -> tuple[str, str]:
+    """(torch device, torch.distributed backend): CUDA and NCCL when a GPU is visible (Ray
+    makes one visible to an actor that asks for num_gpus=1), else CPU and gloo."""
+    if prefer_cuda and torch.cuda.is_available():
+        return "cuda", "nccl"
+    return "cpu", "gloo"
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
@@ -71,6 +85,7 @@ class Learner:
         warmup_steps: int = 0,
         total_steps: int = 0,
         min_lr_ratio: float = 0.0,
+        bf16: bool = False,
     ):
         """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step)."""
         os.environ.update(
@@ -84,7 +99,13 @@ class Learner:
         from rlsys.models import load_model
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        device, dist_backend = learner_device()
+        if device == "cuda":
+            torch.cuda.set_device(0)  # LOCAL_RANK 0: each rank's actor sees its own GPU
+        self.device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+        if bf16 and device != "cuda":
+            raise RuntimeError("learner.bf16 needs a CUDA learner, and no GPU is visible to this rank")
+        deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False)
         self.rank, self.world_size = rank, world_size
         self.algorithm = algorithm
         self.epochs, self.minibatches = epochs, minibatches
@@ -97,8 +118,9 @@ class Learner:
             lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps, schedule=lr_schedule,
             min_ratio=min_lr_ratio))  # stepped by the engine, saved in its checkpoints
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(zero_stage, grad_clip)
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(zero_stage, grad_clip, bf16)
         )
+        self.weight_broadcast = None  # rank 0's BroadcastGroup under trainer.weight_sync=broadcast
         self.steps = 0
 
     @property
@@ -116,7 +138,7 @@ class Learner:
         self.engine.train()
         for _ in range(self.epochs):
             for mb in batch.split(self.minibatches):
-                mb = mb.trim()
+                mb = mb.trim().to(self.device)
                 logits, logprobs, values = self.engine(mb.input_ids, mb.attention_mask, self.temperature)
                 loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
@@ -139,26 +161,77 @@ class Learner:
     def values(self, table: pa.Table) -> list[list[float]]:
         """The value head's estimate for each response token's state (PPO)."""
         self.engine.eval()
-        forward = lambda ids, mask: self.module(ids, mask, self.temperature)[2]
+        forward = lambda ids, mask: self.module(ids.to(self.device), mask.to(self.device), self.temperature)[2]
         return per_response_tokens(forward, table)
 
     @torch.no_grad()
     def logprobs(self, table: pa.Table) -> list[list[float]]:
         """log pi of each response token under the current weights (DA-KD's student CE)."""
         self.engine.eval()
-        forward = lambda ids, mask: self.module(ids, mask, self.temperature)[1]
+        forward = lambda ids, mask: self.module(ids.to(self.device), mask.to(self.device), self.temperature)[1]
         return per_response_tokens(forward, table)
 
-    def weights(self) -> dict[str, np.ndarray] | None:
-        """The policy's weights (HF state-dict names) as numpy on rank 0; None on other ranks.
-        Under ZeRO-3 every rank must call this (the parameters are gathered collectively)."""
+    @contextmanager
+    def _full_policy(self):
+        """The policy with whole parameters inside the block: under ZeRO-3 every rank must
+        enter it (the parameters are gathered collectively)."""
         import deepspeed
 
         policy = self.module.policy
         if self.zero_stage == 3:
             with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
-                return state_dict_numpy(policy) if self.rank == 0 else None
-        return state_dict_numpy(policy) if self.rank == 0 else None
+                yield policy
+        else:
+            yield policy
+
+    def weights(self) -> dict[str, np.ndarray] | None:
+        """The policy's weights (HF state-dict names) as numpy on rank 0; None on other ranks.
+        Under ZeRO-3 every rank must call this (the parameters are gathered collectively)."""
+        with self._full_policy() as policy:
+            return state_dict_numpy(policy) if self.rank == 0 else None
+
+    # ---- trainer.weight_sync=broadcast (actors/weight_broadcast.py) ----------------------------
+    def broadcast_endpoint(self) -> tuple[str, int]:
+        """(address, free port) on this rank's node for the weight-broadcast rendezvous."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return host, s.getsockname()[1]
+
+    def open_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, backend: str,
+                              timeout_s: float) -> int:
+        """Rank 0 joins the weight-broadcast group as its sender (rank 0 of that group):
+        NCCL from this rank's GPU, or gloo through host memory."""
+        from actors.weight_broadcast import BroadcastGroup
+
+        if self.rank == 0:
+            if backend == "nccl" and self.device.type != "cuda":
+                raise RuntimeError("the NCCL weight broadcast needs the learner on CUDA; no GPU is visible to rank 0")
+            device = self.device if backend == "nccl" else torch.device("cpu")
+            self.weight_broadcast = BroadcastGroup(master_addr, master_port, 0, world_size, backend, timeout_s,
+                                                   device=device, local_addr=master_addr)
+        return self.rank
+
+    def weight_manifest(self):
+        """Names, shapes and dtypes of what `broadcast_weights` sends (rank 0; collective under ZeRO-3)."""
+        from actors.weight_broadcast import weight_manifest
+
+        with self._full_policy() as policy:
+            return weight_manifest(policy.state_dict().items()) if self.rank == 0 else None
+
+    def broadcast_weights(self, version: int) -> int:
+        """Rank 0 broadcasts the policy's state dict tagged with `version`; every rank must call
+        this under ZeRO-3. Returns the bytes sent (0 on other ranks)."""
+        with self._full_policy() as policy:
+            if self.rank != 0:
+                return 0
+            if self.weight_broadcast is None:
+                raise RuntimeError("broadcast_weights before open_weight_broadcast")
+            return self.weight_broadcast.send(version, list(policy.state_dict().values()))
 
     def save(self, path: str) -> None:
         """DeepSpeed checkpoint (model, optimizer, scheduler) under `path`; collective."""

@@ -63,12 +63,18 @@ class PolicyOnly(nn.Module):
 
 
 def state_dict_numpy(module: nn.Module) -> dict[str, np.ndarray]:
-    """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled)."""
-    return {k: v.detach().cpu().numpy().copy() for k, v in module.state_dict().items()}
+    """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled).
+    numpy has no bfloat16: bf16 weights (a bf16 CUDA learner) come out as float32."""
+    def to_numpy(v: torch.Tensor) -> np.ndarray:
+        v = v.detach().cpu()
+        return (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy()
+
+    return {k: to_numpy(v) for k, v in module.state_dict().items()}
 
 
 def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
-    """Copy numpy weights (possibly read-only object-store views) into the module in place."""
+    """Copy numpy weights (possibly read-only object-store views) or tensors (a weight
+    broadcast) into the module in place."""
     own = module.state_dict()
     missing = set(own) - set(weights)
     if missing:
@@ -76,7 +82,8 @@ def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # non-writable numpy views are only read
         for name, tensor in own.items():
-            src = torch.from_numpy(weights[name])
+            src = weights[name]
+            src = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
             if src.shape != tensor.shape:
                 raise ValueError(f"weight {name}: shape {tuple(src.shape)} != {tuple(tensor.shape)}")
             tensor.copy_(src)

@@ -95,7 +95,7 @@ class HFBackend:
     serves interpolated sampling and reference embeddings; it is loaded on first use."""
 
     def __init__(self, model_dir: str, batch_size: int = 64, model=None, reference_dir: str | None = None,
-                 reference=None, quantized: str | None = None, specache: dict | None = None):
+                 reference=None, quantized: str | None = None, specache: dict | None = None, device: str = "cpu"):
         from rlsys.models import load_model
 
         quiet_transformers()
@@ -106,7 +106,8 @@ class HFBackend:
 
             model, self.requantize = load_quantized(quantized), quantized_bit_maps(quantized)
         self.model = model if model is not None else load_model(model_dir)
-        self.model.eval()
+        self.device = torch.device(device)  # "cuda" serves the policy from a GPU (benchmarks/gpu_check.py)
+        self.model.to(self.device).eval()
         self.reference_dir = reference_dir or model_dir
         self._reference = reference.eval() if reference is not None else None
         self.batch_size = batch_size
@@ -132,7 +133,7 @@ class HFBackend:
 
             if self.reference_dir is None:
                 raise ValueError("this request needs the reference model, and the backend has no reference_dir")
-            self._reference = load_model(self.reference_dir).eval()
+            self._reference = load_model(self.reference_dir).to(self.device).eval()
         return self._reference
 
     @torch.no_grad()
@@ -144,6 +145,7 @@ class HFBackend:
         for s in range(0, len(seqs), self.batch_size):
             chunk = seqs[s : s + self.batch_size]
             ids, mask = pad_sequences([p + r for p, r in chunk], self.pad_id, left=False)
+            ids, mask = ids.to(self.device), mask.to(self.device)
             hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1].float()
             for row, (p, r) in enumerate(chunk):
                 out.append(hidden[row, len(p) : len(p) + len(r)].mean(0).tolist())
@@ -152,6 +154,7 @@ class HFBackend:
     @torch.no_grad()
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float], str]]:
         input_ids, attention_mask = pad_sequences(prompts, self.pad_id, left=True)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         if self.specache is not None and params.interpolation is None:
             return self._specache_batch(input_ids, attention_mask, params, stop_ids)
@@ -235,12 +238,15 @@ class RolloutWorker:
     """One rollout role: a backend plus the policy version it currently holds."""
 
     def __init__(self, model_dir: str, backend: str = "hf", batch_size: int = 64, threads: int = 1, index: int = 0,
-                 reference_dir: str | None = None, quantized: str | None = None, specache: dict | None = None):
+                 reference_dir: str | None = None, quantized: str | None = None, specache: dict | None = None,
+                 backend_options: dict | None = None):
+        """`backend_options`: the vllm backend's engine settings (tensor_parallel_size, ...)."""
         torch.set_num_threads(threads)
         self.index = index
         # the reference defaults to model_dir: the initial policy, as the ReferenceWorker loads it
         self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir, quantized=quantized,
-                                    specache=specache)
+                                    specache=specache, **(backend_options or {}))
+        self.weight_broadcast = None  # this worker's BroadcastGroup member (trainer.weight_sync=broadcast)
         self.version = 0
         self.tokens_generated = 0
         self.generate_seconds = 0.0
@@ -256,6 +262,38 @@ class RolloutWorker:
 
     def load_weights(self, version: int, weights: dict[str, np.ndarray]) -> int:
         self.backend.load_weights(weights)
+        self.version = version
+        return version
+
+    # ---- trainer.weight_sync=broadcast (actors/weight_broadcast.py) ----------------------------
+    def weight_sync_ranks(self) -> int:
+        """Members this worker adds to the weight-broadcast group: 1, or a vLLM engine's
+        tensor-parallel workers (each receives its copy inside the engine)."""
+        return getattr(self.backend, "weight_sync_ranks", 1)
+
+    def open_weight_broadcast(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
+                              backend: str, timeout_s: float) -> int:
+        if hasattr(self.backend, "open_weight_broadcast"):  # the vLLM engine's workers join themselves
+            self.backend.open_weight_broadcast(master_addr, master_port, first_rank, world_size, timeout_s)
+            return first_rank
+        import ray
+
+        from actors.weight_broadcast import BroadcastGroup
+
+        device = getattr(self.backend, "device", torch.device("cpu"))
+        local = ray.util.get_node_ip_address() if ray.is_initialized() else None
+        self.weight_broadcast = BroadcastGroup(master_addr, master_port, first_rank, world_size, backend, timeout_s,
+                                               device=device if backend == "nccl" else "cpu", local_addr=local)
+        return first_rank
+
+    def receive_weights(self, version: int, manifest) -> int:
+        """One broadcast sync: the weights tagged `version` from learner rank 0, loaded in place."""
+        if hasattr(self.backend, "receive_weight_broadcast"):
+            self.backend.receive_weight_broadcast(version, manifest)
+        else:
+            if self.weight_broadcast is None:
+                raise RuntimeError("receive_weights before open_weight_broadcast")
+            self.backend.load_weights(dict(self.weight_broadcast.receive(version, manifest)))
         self.version = version
         return version
 

@@ -76,6 +76,15 @@ class RolloutConfig(Section):
     specache_bits: int = Field(2, ge=1, le=4, description="bits of the low-bit KV copy in the fast tier")
     specache_window: int = Field(32, ge=0, description="most recent positions kept in full precision")
     quantized: Optional[str] = Field(None, description="SliM-LLM quantised dir (rlsys quantize) to serve, hf backend")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM engine (vllm backend)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory fraction a vLLM engine takes")
+
+    @field_validator("tensor_parallel_size", "gpu_memory_utilization")
+    @classmethod
+    def _vllm_only(cls, v, info):
+        if v != cls.model_fields[info.field_name].default and info.data.get("backend") != "vllm":
+            raise ValueError("is a setting of rollout.backend 'vllm' only")
+        return v
 
     @field_validator("quantized")
     @classmethod
@@ -115,6 +124,7 @@ class LearnerConfig(Section):
     epochs: int = Field(1, ge=1)
     minibatches: int = Field(1, ge=1)
     threads: int = Field(1, ge=1)
+    bf16: bool = Field(False, description="DeepSpeed bf16 (CUDA learners)")
 
 
 class TrainerConfig(Section):
@@ -124,6 +134,8 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     sync_timeout_s: float = Field(120.0, gt=0)
+    weight_sync: Literal["object_store", "broadcast"] = Field(
+        "object_store", description="broadcast: a torch.distributed group from learner rank 0 (NCCL with vllm, else gloo)")
 
 
 class BufferConfig(Section):
