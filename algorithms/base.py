@@ -114,7 +114,7 @@ def build_algorithm(cfg):
     return cls(validate_section(cls.Config, cfg.algorithm_params(), prefix="algorithm"))
 
 
-BUILTIN_MODULES = ("ppo", "grpo", "rloo", "vineppo", "pilaf", "ampo", "distill", "brite", "rlef")
+BUILTIN_MODULES = ("ppo", "grpo", "rloo", "vineppo", "pilaf", "ampo", "distill", "cdg", "brite", "rlef")
 
 
 def _import_builtins() -> None:

@@ -282,10 +282,12 @@ class Controller:
         with ctx.timed("prepare"):
             batch = self.algorithm.prepare(table)
             extra = getattr(self.algorithm, "prepare_metrics", lambda t: {})(table)
-        with ctx.timed("train"):
-            rank_metrics = self._from_learners([l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))])
-        with ctx.timed("sync"):
-            self.sync_weights(ctx.policy_version + 1)
+        rank_metrics = [{}]  # prepare -> None: a step that only gathers experience (CDG's ReST play), no update
+        if batch is not None:
+            with ctx.timed("train"):
+                rank_metrics = self._from_learners([l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))])
+            with ctx.timed("sync"):
+                self.sync_weights(ctx.policy_version + 1)
         self.step += 1
         rewards = np.asarray(table.column("reward").to_pylist())
         lengths = [len(x) for x in table.column("response_ids").to_pylist()]

@@ -1,0 +1,285 @@
+"""CDG: Critic-Discernment Game self-play (../shared/papers/cdg.md; the game is envs/cdg_game.py).
+
+One policy plays three roles by role prompts: the prover (solution z, then a final answer z'
+after a critique of unknown intent), the helpful critic (sees only wrong z) and the misleading
+critic (sees only correct z). Rewards, with correctness checked by the task's `is_correct`:
+
+    prover:     R = 1[z ok] * (1[z' ok] + eta) + (1 - 1[z ok]) * 1[z' ok]       (`prover_reward`)
+    helpful:    P(wrong -> right after its critique)                             (`flip_rate`)
+    misleading: P(right -> wrong after its critique)
+
+flip rates estimated by `finals` repeated final answers per critique. Two modes (`mode`):
+
+- online: every prover transcript and every critique is a row with its episode reward;
+  GRPO group advantages (prover rows grouped per problem, critiques per solution they
+  critique), PPO clipped surrogate, k3 KL to the reference.
+- rest (the paper's offline ReST), as phases inside the normal loop: `play_steps` steps of
+  play (no learner update: `prepare` returns None), each sample's success rate estimated by
+  repeated play and the samples above the thresholds kept (`rest_keep`) in a pool that
+  accumulates across rounds up to `max_pool_per_role` per role; then `sft_steps` steps of
+  supervised fine-tuning (`sft_loss`) on batches drawn from the pool; then the next round.
+  The paper retrains from the initial model each round; here each round fine-tunes the
+  current policy (the learner actor has no reset, and an algorithm must not need an actor change).
+
+A stored transcript is one row per role turn: the prover's row holds z + critique + z' with
+loss_mask 1 on z and z' only; a critic's row holds its own critique after its context.
+Mode, round, phase, step in phase and the pool are `state()`, so checkpoints hold them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Literal, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import Field
+
+from algorithms.base import AlgorithmConfig, ModelOutputs, register, rewards_of, set_token_column
+from algorithms.common import broadcast_to_tokens, clipped_policy_loss, grpo_advantages, group_stats, k3_kl, masked_mean
+from algorithms.sft import sft_loss
+from envs.cdg_game import ROLES, Game, Templates, Turn, critic_context, final_only_mask, play_games, prover_transcript
+from rlsys.batch import TrainBatch, collate
+from rlsys.experience import make_experience, meta_of, new_uid
+from rlsys.generation import GenerationRequest
+
+
+class CDGConfig(AlgorithmConfig):
+    mode: Literal["online", "rest"] = Field("online", description="online RL (GRPO) or offline ReST rounds")
+    eta: float = Field(0.5, ge=0, description="prover bonus for a correct first solution (kept against a misleader)")
+    solutions: int = Field(4, ge=1, description="prover solutions z per problem (the prover's GRPO group)")
+    critiques: int = Field(2, ge=1, description="critiques per solution (a critic's GRPO group)")
+    finals: int = Field(2, ge=1, description="final answers z' per critique: the repeated play behind flip/success rates")
+    critique_tokens: int = Field(0, ge=0, description="max new tokens of a critique; 0: rollout.max_new_tokens")
+    helpful_prompt: str = Field("helpful critic:", min_length=1)
+    misleading_prompt: str = Field("misleading critic:", min_length=1)
+    critique_open: str = Field(" critique:", min_length=1)
+    revise_open: str = Field(" final:", min_length=1)
+    restate_problem: bool = Field(True, description="end the revision context with the problem asked again")
+    # online
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    kl_coef: float = Field(0.04, ge=0)
+    std_normalize: bool = True
+    # rest
+    play_steps: int = Field(1, ge=1, description="steps of play per ReST round")
+    sft_steps: int = Field(1, ge=1, description="supervised steps per ReST round")
+    sft_batch_size: int = Field(64, ge=1, description="pool samples per supervised step")
+    prover_threshold: float = Field(0.5, ge=0, le=1, description="keep a prover context whose success rate is above this")
+    helpful_threshold: float = Field(0.75, ge=0, le=1, description="keep a helpful critique whose flip rate is above this")
+    misleading_threshold: float = Field(0.5, ge=0, le=1, description="keep a misleading critique whose flip rate is above this")
+    max_pool_per_role: int = Field(10_000, ge=1, description="kept samples accumulated per role across rounds")
+
+
+# ---- the method, as pure functions ---------------------------------------------------------
+def prover_reward(solution_ok: bool, final_ok: bool, eta: float) -> float:
+    """R = 1[z ok] * (1[z' ok] + eta) + (1 - 1[z ok]) * 1[z' ok]."""
+    z, zp = float(solution_ok), float(final_ok)
+    return z * (zp + eta) + (1.0 - z) * zp
+
+
+def flip_rate(role: str, finals_ok: Sequence[bool]) -> float:
+    """A critic's reward: P(wrong -> right) for the helpful critic (it saw a wrong z),
+    P(right -> wrong) for the misleading critic (it saw a correct z), over repeated finals."""
+    ok = np.asarray(finals_ok, dtype=np.float64)
+    if role == "helpful":
+        return float(ok.mean())
+    if role == "misleading":
+        return float(1.0 - ok.mean())
+    raise ValueError(f"unknown critic role {role!r} (helpful, misleading)")
+
+
+def rest_keep(role: str, rate: float, final_ok: bool, thresholds: dict[str, float]) -> bool:
+    """ReST filter: a sample is kept when its success rate is strictly above its role's
+    threshold; a prover sample also needs its own final answer right (the SFT target)."""
+    return rate > thresholds[role] and (role != "prover" or final_ok)
+
+
+def game_rows(games: Sequence[Game], templates: Templates, eta: float, policy_version: int, phase: str) -> list[dict]:
+    """Experience rows of played games: one per critique (critic row) and one per final answer
+    (prover transcript). `meta.rate` is the sample's success rate by repeated play: the flip
+    rate for a critique, P(z' ok) from the same (z, critique) context for a prover transcript."""
+    rows = []
+    for g in games:
+        for j, c in enumerate(g.critiques):
+            flip = flip_rate(g.role, c.finals_ok)
+            base = dict(game=f"{g.problem_uid}/{g.solution_index}", solution_ok=g.solution_ok, critic=g.role, phase=phase)
+            rows.append(dict(
+                uid=new_uid(), group=f"{g.problem_uid}/{g.solution_index}/critic",
+                prompt_ids=critic_context(templates, g.role, g.problem_ids, g.solution.ids),
+                response_ids=c.turn.ids, logprobs=c.turn.logprobs, reward=flip, policy_version=policy_version,
+                meta={**base, "role": g.role, "rate": flip, "final_ok": None}))
+            success = float(np.mean(c.finals_ok))
+            for final, ok in zip(c.finals, c.finals_ok):
+                ids, logprobs, mask = prover_transcript(templates, g.problem_ids, g.solution, c.turn, final)
+                rows.append(dict(
+                    uid=new_uid(), group=f"{g.problem_uid}/prover", prompt_ids=g.problem_ids, response_ids=ids,
+                    logprobs=logprobs, loss_mask=mask, reward=prover_reward(g.solution_ok, ok, eta),
+                    policy_version=policy_version,
+                    meta={**base, "role": "prover", "rate": success, "final_ok": ok, "critique": j,
+                          "solution_len": len(g.solution.ids), "final_len": len(final.ids)}))
+    return rows
+
+
+def sft_sample(row: dict) -> dict:
+    """A kept row as a supervised sample: critics train on their critique; a prover on z'
+    (and on z too when z was right: a wrong first answer is never imitated)."""
+    meta = row["meta"]
+    mask = [1] * len(row["response_ids"])
+    if meta["role"] == "prover":
+        n, m = meta["solution_len"], meta["final_len"]
+        mask = final_only_mask(n, len(row["response_ids"]) - n - m, m, keep_solution=meta["solution_ok"])
+    return dict(role=meta["role"], group=row["group"], prompt_ids=list(row["prompt_ids"]),
+                response_ids=list(row["response_ids"]), loss_mask=mask, rate=meta["rate"])
+
+
+def add_to_pool(pool: dict[str, list], samples: Sequence[dict], cap: int) -> int:
+    """Accumulate samples per role up to `cap` each (later ones are dropped). Returns how many were added."""
+    added = 0
+    for s in samples:
+        if len(pool[s["role"]]) < cap:
+            pool[s["role"]].append(s)
+            added += 1
+    return added
+
+
+# ---- the plug-in ----------------------------------------------------------------------------
+@register("cdg")
+class CDG:
+    Config = CDGConfig
+    needs_value_head = False
+
+    def __init__(self, config: CDGConfig | None = None):
+        self.config = config or self.Config()
+        self.round, self.phase, self.phase_step = 0, ("play" if self.config.mode == "rest" else "online"), 0
+        self.pool: dict[str, list] = {r: [] for r in ROLES}
+
+    @property
+    def thresholds(self) -> dict[str, float]:
+        c = self.config
+        return {"prover": c.prover_threshold, "helpful": c.helpful_threshold, "misleading": c.misleading_threshold}
+
+    def rollout(self, ctx, prompts) -> pa.Table:
+        table = self.sft_table(ctx) if self.phase == "sft" else self.play(ctx, prompts)
+        self.advance()
+        return table
+
+    def play(self, ctx, prompts) -> pa.Table:
+        c = self.config
+        templates = Templates.from_text(ctx.tokenizer, c.helpful_prompt, c.misleading_prompt, c.critique_open, c.revise_open,
+                                       c.restate_problem)
+        tokens = ctx.sampling().max_new_tokens
+        games = play_games([(p.uid, p.meta, list(p.prompt_ids)) for p in prompts], sampler(ctx), checker(ctx), templates,
+                           c.solutions, c.critiques, c.finals, tokens, c.critique_tokens or tokens, tokens)
+        rows = game_rows(games, templates, c.eta, ctx.policy_version, self.phase)
+        if self.phase == "play":
+            kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], self.thresholds)]
+            added = add_to_pool(self.pool, [sft_sample(r) for r in kept], c.max_pool_per_role)
+            for r in rows:
+                r["meta"]["pool_added"] = added
+        table = make_experience(rows)
+        if self.phase == "online" and c.kl_coef > 0:
+            table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
+        return table
+
+    def sft_table(self, ctx) -> pa.Table:
+        """`sft_batch_size` samples drawn uniformly from the pool (all roles), as current-version rows."""
+        samples = [s for role in ROLES for s in self.pool[role]]
+        rng = np.random.default_rng(ctx.next_seed())
+        pick = rng.choice(len(samples), size=min(self.config.sft_batch_size, len(samples)), replace=False)
+        rows = [dict(uid=new_uid(), group=s["group"], prompt_ids=s["prompt_ids"], response_ids=s["response_ids"],
+                     logprobs=[0.0] * len(s["response_ids"]), loss_mask=s["loss_mask"], reward=s["rate"],
+                     policy_version=ctx.policy_version, meta={"role": s["role"], "phase": "sft", "rate": s["rate"]})
+                for s in (samples[i] for i in sorted(pick))]
+        return make_experience(rows)
+
+    def advance(self) -> None:
+        """rest: play for play_steps steps (longer while the pool is empty), then sft_steps steps of SFT, next round."""
+        if self.phase == "online":
+            return
+        self.phase_step += 1
+        if self.phase == "play" and self.phase_step >= self.config.play_steps and any(self.pool.values()):
+            self.phase, self.phase_step = "sft", 0
+        elif self.phase == "sft" and self.phase_step >= self.config.sft_steps:
+            self.round, self.phase, self.phase_step = self.round + 1, "play", 0
+
+    def prepare(self, table: pa.Table) -> TrainBatch | None:
+        """None for a ReST play step (games only gather samples; the weights stay as they are)."""
+        phase = table_phase(table)
+        if phase == "play":
+            return None
+        batch = collate(table)
+        if phase == "sft":
+            batch.extras["sft"] = torch.ones(len(batch))
+            return batch
+        per_sequence = torch.tensor(grpo_advantages(rewards_of(table), table.column("group").to_pylist(),
+                                                    self.config.std_normalize), dtype=torch.float32)
+        batch.advantages = broadcast_to_tokens(per_sequence, batch.response_mask)
+        return batch
+
+    def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
+        metas, rewards = meta_of(table), rewards_of(table)
+        out = {"cdg/round": float(self.round), "cdg/phase_sft": float(table_phase(table) == "sft")}
+        out.update({f"cdg/pool_{r}": float(len(self.pool[r])) for r in ROLES if self.config.mode == "rest"})
+        by_role = {r: [i for i, m in enumerate(metas) if m["role"] == r] for r in ROLES}
+        if table_phase(table) == "sft":
+            out.update({f"cdg/sft_{r}": float(len(ix)) for r, ix in by_role.items()})
+            return out
+        prover = by_role["prover"]
+        out["cdg/prover_reward"] = float(rewards[prover].mean())
+        out["cdg/solution_acc"] = float(np.mean([metas[i]["solution_ok"] for i in prover]))
+        out["cdg/final_acc"] = float(np.mean([metas[i]["final_ok"] for i in prover]))
+        for role in ("helpful", "misleading"):
+            ix = by_role[role]
+            out[f"cdg/{role}_critiques"] = float(len(ix))
+            if ix:
+                out[f"cdg/{role}_flip_rate"] = float(rewards[ix].mean())
+        if table_phase(table) == "play":
+            out["cdg/pool_added"] = float(metas[0]["pool_added"])
+        else:
+            out.update(group_stats(rewards.tolist(), table.column("group").to_pylist()))
+        return out
+
+    def loss(self, outputs: ModelOutputs, batch: TrainBatch):
+        mask = batch.response_mask
+        if "sft" in batch.extras:
+            loss = sft_loss(outputs.logprobs, mask)
+            return loss, {"loss/sft": loss.item()}
+        loss, clip_frac, approx_kl = clipped_policy_loss(
+            outputs.logprobs, batch.old_logprobs, batch.advantages, mask, self.config.clip_eps)
+        metrics = {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
+        if self.config.kl_coef > 0:
+            kl = masked_mean(k3_kl(outputs.logprobs, batch.ref_logprobs), mask)
+            loss = loss + self.config.kl_coef * kl
+            metrics["kl_ref"] = kl.item()
+        return loss, metrics
+
+    def state(self) -> dict:
+        return {"mode": self.config.mode, "round": self.round, "phase": self.phase, "phase_step": self.phase_step,
+                "pool": self.pool}
+
+    def load_state(self, state: dict) -> None:
+        if state["mode"] != self.config.mode:
+            raise ValueError(f"checkpoint was written in CDG mode {state['mode']!r}, the config says {self.config.mode!r}")
+        self.round, self.phase, self.phase_step = state["round"], state["phase"], state["phase_step"]
+        self.pool = {r: list(state["pool"][r]) for r in ROLES}
+
+
+def table_phase(table: pa.Table) -> str:
+    """online / play / sft: what the rows of a CDG table were made for (one phase per table)."""
+    return json.loads(table.column("meta")[0].as_py())["phase"]
+
+
+def sampler(ctx):
+    """The game's Sampler on the rollout workers: n turns per context at the rollout settings."""
+    def sample(contexts, n: int, max_new_tokens: int) -> list[list[Turn]]:
+        params = ctx.sampling(n=n, seed=ctx.next_seed(), max_new_tokens=max_new_tokens)
+        out: list[list[Turn]] = [[] for _ in contexts]
+        for g in ctx.generate([GenerationRequest(list(c), params) for c in contexts]):
+            out[g.request_index].append(Turn(list(g.response_ids), list(g.logprobs), g.finish_reason))
+        return out
+    return sample
+
+
+def checker(ctx):
+    """The task's `is_correct` on decoded response tokens."""
+    return lambda row, ids: ctx.task.is_correct(row, ctx.tokenizer.decode(ids, skip_special_tokens=True))

@@ -1,0 +1,304 @@
+"""CDG self-play (../shared/papers/cdg.md): the prover reward table, critic routing, ReST
+filtering, role masking in stored transcripts, algorithm state, and two steps per mode on a
+real local Ray cluster."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from algorithms.cdg import (
+    CDG, CDGConfig, add_to_pool, flip_rate, game_rows, prover_reward, rest_keep, sft_sample, table_phase,
+)
+from envs.arithmetic import answer_text
+from envs.cdg_game import Templates, Turn, critic_context, play_games, revision_context
+from rlsys.batch import collate
+from rlsys.config import ConfigError, load_config
+from rlsys.experience import make_experience, meta_of
+
+PROBLEMS = [("p0", {"prompt": "3+4=", "answer": "7"}), ("p1", {"prompt": "2+2=", "answer": "4"}),
+            ("p2", {"prompt": "5+1=", "answer": "6"})]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from rlsys.models import train_tokenizer
+
+    return train_tokenizer([f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def templates(tokenizer):
+    return Templates.from_text(tokenizer, "helpful critic:", "misleading critic:", " critique:", " final:")
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class ScriptedSampler:
+    """Stands in for the rollout workers (these tests are about the game's bookkeeping, not about
+    sampling): solution i of a problem is right when i is even, critique j is the text "c<j>",
+    final k is right when k is even. Records every context it is asked about."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.calls = tokenizer, []
+        self.answers = {tuple(ids(tokenizer, r["prompt"])): r["answer"] for _, r in PROBLEMS}
+
+    def turn(self, text, n_tokens):
+        t = ids(self.tok, text) + [self.tok.eos_token_id]
+        return Turn(t, [-0.1 * (k + 1) for k in range(len(t))])
+
+    def answer_for(self, context):
+        for prompt, answer in self.answers.items():  # the problem the context ends with / starts with
+            if tuple(context[: len(prompt)]) == prompt:
+                return answer
+        raise AssertionError("context holds no known problem")
+
+    def __call__(self, contexts, n, max_new_tokens):
+        call = len(self.calls)
+        self.calls.append([list(c) for c in contexts])
+        out = []
+        for c in contexts:
+            if call == 0:
+                out.append([self.turn(self.answer_for(c) if i % 2 == 0 else "99", max_new_tokens) for i in range(n)])
+            elif call == 1:
+                out.append([self.turn(f"{j}", max_new_tokens) for j in range(n)])
+            else:
+                out.append([self.turn(self.answer_for(c) if k % 2 == 0 else "98", max_new_tokens) for k in range(n)])
+        return out
+
+
+def play(tokenizer, templates, solutions=4, critiques=2, finals=3):
+    sampler = ScriptedSampler(tokenizer)
+    checker = lambda row, t: answer_text(tokenizer.decode(t, skip_special_tokens=True)) == row["answer"]
+    problems = [(uid, row, ids(tokenizer, row["prompt"])) for uid, row in PROBLEMS]
+    games = play_games(problems, sampler, checker, templates, solutions, critiques, finals, 4, 4, 4)
+    return games, sampler
+
+
+# ---- rewards --------------------------------------------------------------------------------
+@pytest.mark.parametrize("eta", [0.0, 0.5, 2.0])
+def test_prover_reward_four_cases(eta):
+    assert prover_reward(True, True, eta) == 1.0 + eta  # kept a correct answer (against a misleader)
+    assert prover_reward(True, False, eta) == eta  # misled: right -> wrong
+    assert prover_reward(False, True, eta) == 1.0  # corrected: wrong -> right
+    assert prover_reward(False, False, eta) == 0.0
+    if eta > 0:  # keeping a correct answer pays most
+        assert prover_reward(True, True, eta) > max(prover_reward(False, True, eta), prover_reward(True, False, eta))
+
+
+def test_critic_rewards_are_flip_rates():
+    finals_ok = [True, False, True, True]
+    assert flip_rate("helpful", finals_ok) == 0.75  # saw a wrong z: wrong -> right
+    assert flip_rate("misleading", finals_ok) == 0.25  # saw a correct z: right -> wrong
+    with pytest.raises(ValueError, match="unknown critic role"):
+        flip_rate("prover", finals_ok)
+
+
+def test_game_rows_carry_the_rewards(tokenizer, templates):
+    games, _ = play(tokenizer, templates)
+    rows = game_rows(games, templates, eta=0.5, policy_version=3, phase="online")
+    for r in rows:
+        m = r["meta"]
+        if m["role"] == "prover":
+            assert r["reward"] == prover_reward(m["solution_ok"], m["final_ok"], 0.5)
+        else:
+            game = next(g for g in games if f"{g.problem_uid}/{g.solution_index}" == m["game"])
+            critique = next(c for c in game.critiques if c.turn.ids == r["response_ids"])
+            assert r["reward"] == flip_rate(m["role"], critique.finals_ok) == m["rate"]
+    # finals alternate right/wrong (2 of 3 right): flip rates 2/3 for helpful, 1/3 for misleading
+    assert {round(r["reward"], 4) for r in rows if r["meta"]["role"] == "helpful"} == {0.6667}
+    assert {round(r["reward"], 4) for r in rows if r["meta"]["role"] == "misleading"} == {0.3333}
+    assert len(rows) == 3 * 4 * 2 * (1 + 3)
+
+
+# ---- routing ----------------------------------------------------------------------------------
+def test_critics_see_only_solutions_of_their_kind(tokenizer, templates):
+    games, sampler = play(tokenizer, templates)
+    assert {g.solution_ok for g in games} == {True, False}  # both kinds were played
+    critic_calls = sampler.calls[1]
+    assert len(critic_calls) == len(games)
+    for g, context in zip(games, critic_calls):
+        assert g.role == ("misleading" if g.solution_ok else "helpful")
+        prefix = templates.misleading if g.solution_ok else templates.helpful
+        assert context == critic_context(templates, g.role, g.problem_ids, g.solution.ids)
+        assert context[: len(prefix)] == prefix
+        z = tokenizer.decode(g.solution.ids, skip_special_tokens=True)
+        assert (answer_text(z) == g.row["answer"]) == (g.role == "misleading")
+    # the prover never sees who wrote the critique
+    for context in sampler.calls[2]:
+        for prefix in (templates.helpful, templates.misleading):
+            assert not any(context[i: i + len(prefix)] == prefix for i in range(len(context)))
+
+
+# ---- ReST --------------------------------------------------------------------------------------
+def test_rest_filter_keeps_exactly_the_samples_above_threshold():
+    thresholds = {"prover": 0.5, "helpful": 0.75, "misleading": 0.5}
+    rates = [0.0, 0.25, 0.5, 0.5000001, 0.75, 0.76, 1.0]
+    for role, thr in thresholds.items():
+        for final_ok in (True, False):
+            kept = [r for r in rates if rest_keep(role, r, final_ok if role == "prover" else None, thresholds)]
+            expected = [r for r in rates if r > thr] if (role != "prover" or final_ok) else []
+            assert kept == expected, (role, final_ok)
+
+
+def test_rest_play_step_pools_exactly_the_kept_rows(tokenizer, templates):
+    cfg = CDGConfig(mode="rest", prover_threshold=0.5, helpful_threshold=0.6, misleading_threshold=0.5)
+    algo = CDG(cfg)
+    games, _ = play(tokenizer, templates, finals=3)
+    rows = game_rows(games, templates, cfg.eta, 0, "play")
+    kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], algo.thresholds)]
+    # helpful flip 2/3 > 0.6 kept; misleading 1/3 dropped; prover contexts 2/3 > 0.5: their right finals kept
+    assert {r["meta"]["role"] for r in kept} == {"helpful", "prover"}
+    assert all(r["meta"]["final_ok"] for r in kept if r["meta"]["role"] == "prover")
+    assert sum(r["meta"]["role"] == "prover" for r in kept) == 3 * 4 * 2 * 2
+    assert add_to_pool(algo.pool, [sft_sample(r) for r in kept], cap=10) == 10 + 10
+    assert {k: len(v) for k, v in algo.pool.items()} == {"prover": 10, "helpful": 10, "misleading": 0}
+
+
+# ---- transcripts in the buffer -----------------------------------------------------------------
+def test_stored_transcript_masks_each_role_for_the_others(tokenizer, templates):
+    games, _ = play(tokenizer, templates, solutions=2, critiques=1, finals=1)
+    table = make_experience(game_rows(games, templates, 0.5, 0, "online"))
+    batch = collate(table)
+    g = games[1]  # a wrong solution: helpful critic
+    c = g.critiques[0]
+    metas = meta_of(table)
+    for i, m in enumerate(metas):
+        if m["game"] != f"{g.problem_uid}/{g.solution_index}":
+            continue
+        trained = batch.input_ids[i, 1:][batch.response_mask[i] > 0].tolist()
+        if m["role"] == "prover":
+            # the whole transcript is stored: problem + z + glue + critique + glue (+ problem) + z'
+            sequence = batch.input_ids[i][batch.attention_mask[i] > 0].tolist()
+            assert sequence == [*revision_context(templates, g.problem_ids, g.solution.ids, c.turn.ids), *c.finals[0].ids]
+            assert trained == [*g.solution.ids, *c.finals[0].ids]  # only the prover's tokens
+            assert table.column("logprobs")[i].as_py()[: len(g.solution.ids)] == pytest.approx(g.solution.logprobs)
+        else:
+            assert m["role"] == "helpful"
+            assert trained == c.turn.ids  # only the critic's tokens; the prover's z is in its prompt, untrained
+            assert table.column("prompt_ids")[i].as_py() == critic_context(templates, "helpful", g.problem_ids, g.solution.ids)
+    # a supervised prover sample trains on z' alone after a wrong z, on z and z' after a right one
+    rows = game_rows(games, templates, 0.5, 0, "play")
+    for r in rows:
+        if r["meta"]["role"] == "prover":
+            s = sft_sample(r)
+            n = r["meta"]["solution_len"]
+            assert s["loss_mask"][:n] == [int(r["meta"]["solution_ok"])] * n
+            assert sum(s["loss_mask"][n:]) == r["meta"]["final_len"]
+
+
+# ---- algorithm: phases, batches, losses, state -------------------------------------------------
+def test_rest_phases_and_state_round_trip(tokenizer, templates):
+    algo = CDG(CDGConfig(mode="rest", play_steps=2, sft_steps=3))
+    assert (algo.round, algo.phase) == (0, "play")
+    for _ in range(3):  # an empty pool keeps it playing
+        algo.advance()
+    assert algo.phase == "play"
+    games, _ = play(tokenizer, templates)
+    add_to_pool(algo.pool, [sft_sample(r) for r in game_rows(games, templates, 0.5, 0, "play")[:5]], 100)
+    algo.advance()
+    assert (algo.round, algo.phase, algo.phase_step) == (0, "sft", 0)
+    algo.advance()
+    state = json.loads(json.dumps(algo.state()))  # checkpoints store it as json
+    other = CDG(CDGConfig(mode="rest", play_steps=2, sft_steps=3))
+    other.load_state(state)
+    assert other.state() == algo.state() and (other.phase, other.phase_step) == ("sft", 1)
+    for _ in range(2):
+        other.advance()
+    assert (other.round, other.phase, other.phase_step) == (1, "play", 0)
+    with pytest.raises(ValueError, match="mode 'rest'"):
+        CDG(CDGConfig(mode="online")).load_state(state)
+
+
+def test_prepare_and_loss_follow_the_phase(tokenizer, templates):
+    games, _ = play(tokenizer, templates)
+    algo = CDG(CDGConfig(mode="rest", kl_coef=0.0))
+    play_table = make_experience(game_rows(games, templates, 0.5, 0, "play"))
+    assert table_phase(play_table) == "play" and algo.prepare(play_table) is None  # no update while playing
+
+    algo.pool["prover"] = [sft_sample(r) for r in game_rows(games, templates, 0.5, 0, "play") if r["meta"]["role"] == "prover"]
+
+    class Ctx:  # only the two attributes sft_table reads
+        policy_version = 7
+        next_seed = staticmethod(lambda: 1)
+
+    sft = algo.sft_table(Ctx())
+    assert table_phase(sft) == "sft" and sft.num_rows == min(64, len(algo.pool["prover"]))
+    assert set(sft.column("policy_version").to_pylist()) == {7}
+    batch = algo.prepare(sft)
+    logprobs = torch.log(torch.rand(batch.response_mask.shape) * 0.9 + 0.05)
+    from algorithms.base import ModelOutputs
+    from algorithms.sft import sft_loss
+
+    loss, metrics = algo.loss(ModelOutputs(None, logprobs), batch)
+    assert torch.isclose(loss, sft_loss(logprobs, batch.response_mask)) and "loss/sft" in metrics
+
+    online = CDG(CDGConfig(mode="online", kl_coef=0.0))
+    table = make_experience(game_rows(games, templates, 0.5, 0, "online"))
+    batch = online.prepare(table)
+    groups = np.array(table.column("group").to_pylist())
+    adv = batch.advantages.sum(1) / batch.response_mask.sum(1)
+    for g in set(groups):
+        assert abs(float(adv[torch.from_numpy(groups == g)].sum())) < 1e-4  # group-relative
+    loss, metrics = online.loss(ModelOutputs(None, batch.old_logprobs.clone().requires_grad_()), batch)
+    assert "loss/policy" in metrics and "loss/sft" not in metrics
+
+
+def test_bad_config_is_one_line_error():
+    from algorithms.base import build_algorithm
+
+    for override, key in [("algorithm.mode=offline", "algorithm.mode"), ("algorithm.eta=-1", "algorithm.eta"),
+                          ("algorithm.helpful_threshold=1.5", "algorithm.helpful_threshold"),
+                          ("algorithm.rounds=2", "algorithm.rounds")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
+            build_algorithm(load_config("configs/cdg.yaml", [override]))
+        assert "\n" not in str(e.value)
+
+
+# ---- two steps on a real local Ray cluster -----------------------------------------------------
+TINY = [
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+    "task.num_train=200", "task.num_eval=16", "task.max_value=9",
+    "sft.steps=5", "trainer.prompts_per_step=4", "trainer.eval_every=2",
+    "rollout.max_new_tokens=4", "rollout.num_workers=1", "trainer.steps=2",
+    "algorithm.solutions=2", "algorithm.critiques=2", "algorithm.finals=2",
+]
+MODES = {
+    "online": ([], ["loss/policy", "kl_ref", "cdg/prover_reward", "cdg/solution_acc", "groups_without_signal"]),
+    # a warm-up that memorises 4 problems (about 1 in 5 sampled solutions right) and thresholds 0
+    # (a sample with one success is kept): the first play step fills the pool
+    "rest": (["task.num_train=4", "sft.steps=30", "sft.lr=0.01", "algorithm.solutions=4",
+              "algorithm.play_steps=1", "algorithm.sft_steps=1", "algorithm.prover_threshold=0",
+              "algorithm.helpful_threshold=0", "algorithm.misleading_threshold=0", "trainer.checkpoint_every=2"], []),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_two_steps_on_a_local_cluster(ray_cluster, tmp_path, mode):
+    from rlsys.controller import Controller
+
+    extra, keys = MODES[mode]
+    cfg = load_config("configs/cdg.yaml", [*TINY, *extra, f"algorithm.mode={mode}", f"run.output_dir={tmp_path}",
+                                           f"run.name=cdg-{mode}"])
+    controller = Controller(cfg, tmp_path / mode, progress=False)
+    summary = controller.run()
+    rows = [json.loads(l) for l in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and summary["steps"] == 2
+    for row in rows:
+        for key in keys:
+            assert key in row, key
+        assert all(v == v for v in row.values() if isinstance(v, float))  # no NaN
+    version = ray_cluster.get(controller.workers[0].policy_version.remote())
+    if mode == "online":
+        assert rows[0]["samples"] == 4 * 2 * 2 * (1 + 2) and version == 2
+        return
+    # rest: step 1 plays (no update), step 2 fine-tunes on the pool
+    assert rows[0]["cdg/phase_sft"] == 0 and "loss" not in rows[0] and rows[0]["cdg/pool_added"] > 0
+    assert rows[1]["cdg/phase_sft"] == 1 and rows[1]["loss/sft"] > 0 and version == 1
+    assert rows[1]["samples"] == min(64, rows[0]["cdg/pool_added"])
+    state = json.loads((tmp_path / mode / "checkpoints" / "step_2" / "state.json").read_text())["algorithm"]
+    assert (state["mode"], state["round"], state["phase"]) == ("rest", 1, "play")
+    assert sum(len(v) for v in state["pool"].values()) == rows[0]["cdg/pool_added"]
