@@ -176,6 +176,13 @@ def weight_buckets(items: Sequence[tuple[str, np.ndarray]], max_bytes: int = DEF
     return buckets
 
 
+def weight_payload(items: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, str, list[int], bytes]]:
+    """(name, array) pairs as plain data for `LLM.collective_rpc`: (name, numpy dtype string,
+    shape, raw bytes). vLLM's engine process decodes rpc arguments with msgpack, which
+    carries bytes, strings and lists everywhere but not numpy arrays as such."""
+    return [(name, np.asarray(a).dtype.str, list(np.shape(a)), np.ascontiguousarray(a).tobytes()) for name, a in items]
+
+
 def tied_embeddings(model_dir: str | Path) -> bool:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return bool(config.get("tie_word_embeddings", False))
@@ -256,7 +263,7 @@ class VLLMBackend:
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """In place, on every tensor-parallel worker, through the worker extension."""
         for bucket in weight_buckets(vllm_weight_items(weights, self.tied)):
-            self.llm.collective_rpc("rlsys_load_weights", args=(bucket,))
+            self.llm.collective_rpc("rlsys_load_weights", args=(weight_payload(bucket),))
         self.llm.reset_prefix_cache()
 
     # weight broadcast (trainer.weight_sync=broadcast): each tensor-parallel worker of the

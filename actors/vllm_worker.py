@@ -24,15 +24,20 @@ def engine_tensor(array, dtype: torch.dtype, device) -> torch.Tensor:
     return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 
 
+def arrays_from_payload(payload) -> list[tuple[str, np.ndarray]]:
+    """The inverse of actors.vllm_backend.weight_payload: (name, dtype, shape, bytes) -> (name, array)."""
+    return [(name, np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)) for name, dtype, shape, data in payload]
+
+
 class RlsysWorkerExtension:
     def _rlsys_model(self):
         return self.model_runner.model
 
-    def rlsys_load_weights(self, items: Sequence[tuple[str, np.ndarray]]) -> int:
-        """Load (HF name, array) pairs in place; vLLM's loaders stack and shard them."""
+    def rlsys_load_weights(self, payload) -> int:
+        """Load (HF name, dtype, shape, bytes) entries in place; vLLM's loaders stack and shard them."""
         model = self._rlsys_model()
         dtype = next(model.parameters()).dtype
-        weights = [(name, engine_tensor(array, dtype, self.device)) for name, array in items]
+        weights = [(name, engine_tensor(array, dtype, self.device)) for name, array in arrays_from_payload(payload)]
         model.load_weights(weights=weights)
         return len(weights)
 

@@ -226,7 +226,7 @@ class Controller:
         self.reward = ray.remote(RewardWorker).options(num_cpus=0.1).remote(str(policy_dir), task=self.task)
         port = free_port()
         self.learners = [
-            ray.remote(Learner).options(num_cpus=0.5, num_gpus=1 if ray.cluster_resources().get("GPU", 0) else 0).remote(
+            ray.remote(Learner).options(num_cpus=0.5, num_gpus=self._learner_gpus()).remote(
                 str(policy_dir), self.algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
                 zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
                 threads=l.threads, rank=rank, world_size=l.num_ranks, master_port=port, seed=cfg.run.seed,
@@ -339,6 +339,10 @@ class Controller:
 
         from actors.vllm_backend import rollout_placement
 
+        gpus, needed = ray.cluster_resources().get("GPU", 0), r.num_workers * r.tensor_parallel_size
+        if gpus < needed:
+            raise RunFailed(f"rollout.backend=vllm needs {needed} GPU(s) ({r.num_workers} engine(s) x "
+                            f"rollout.tensor_parallel_size {r.tensor_parallel_size}); the cluster has {gpus:.0f}")
         bundles, strategy = rollout_placement(r.num_workers, r.tensor_parallel_size)
         self.rollout_group = placement_group(bundles, strategy=strategy)
         timeout = self.cfg.trainer.sync_timeout_s
@@ -347,6 +351,15 @@ class Controller:
                             f"each within {timeout:.0f} s (resources: {ray.cluster_resources().get('GPU', 0):.0f} GPUs)")
         return [dict(num_cpus=b["CPU"], num_gpus=b["GPU"], scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.rollout_group, placement_group_bundle_index=i)) for i, b in enumerate(bundles)]
+
+    def _learner_gpus(self) -> int:
+        """1 GPU per learner rank on a cluster with GPUs (beside the vLLM engines'), else 0 (CPU)."""
+        r, gpus = self.cfg.rollout, ray.cluster_resources().get("GPU", 0)
+        rollout_gpus = r.num_workers * r.tensor_parallel_size if r.backend == "vllm" else 0
+        if gpus and gpus < self.cfg.learner.num_ranks + rollout_gpus:
+            raise RunFailed(f"the cluster has {gpus:.0f} GPU(s); {self.cfg.learner.num_ranks} learner rank(s) and "
+                            f"{rollout_gpus} vLLM GPU(s) need one each (no colocation)")
+        return 1 if gpus else 0
 
     def _vllm_options(self, index: int) -> dict | None:
         cfg = self.cfg

@@ -120,6 +120,22 @@ def test_weight_buckets_bound_bytes_and_keep_order():
     assert names(weight_buckets(items, max_bytes=10**6)) == [[n for n, _ in items]]
 
 
+def test_weight_payload_round_trips_through_msgpack_plain_data():
+    import msgpack
+
+    from actors.vllm_backend import weight_payload
+    from actors.vllm_worker import arrays_from_payload
+
+    items = [("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4) / 7), ("b.bias", np.array([1.5], dtype=np.float16)),
+             ("c.ids", np.arange(5, dtype=np.int64))]
+    items[0][1].setflags(write=False)
+    wire = msgpack.unpackb(msgpack.packb(weight_payload(items)))  # what reaches the engine process
+    back = arrays_from_payload(wire)
+    assert [n for n, _ in back] == [n for n, _ in items]
+    for (_, a), (_, b) in zip(items, back):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
 def test_engine_tensor_converts_readonly_fp32_numpy_to_bf16():
     a = np.arange(6, dtype=np.float32).reshape(2, 3) / 3
     a.setflags(write=False)  # as an object-store view arrives

@@ -107,3 +107,19 @@ def test_broadcast_sync_on_ray_arrives_bit_identical_and_advances_the_version(ra
     with pytest.raises(WeightSyncTimeout, match="policy version 3 did not complete within 3 s \\(2 of 2 rollout"):
         c.sync_weights(3)
     c.learners = learners
+
+
+@pytest.mark.integration
+def test_vllm_backend_on_a_cluster_without_gpus_fails_in_one_line(ray_cluster, tmp_path):
+    from rlsys.config import load_config
+    from rlsys.controller import Controller
+    from rlsys.errors import RunFailed
+
+    cfg = load_config("configs/quickstart.yaml", [*TINY, "sft.steps=0", f"run.output_dir={tmp_path}", "run.name=v",
+                                                  "rollout.backend=vllm", "rollout.num_workers=2",
+                                                  "rollout.tensor_parallel_size=2"])
+    c = Controller(cfg, tmp_path / "v", progress=False)
+    with pytest.raises(RunFailed) as e:
+        c.start_actors(c.prepare_policy())
+    assert str(e.value) == ("rollout.backend=vllm needs 4 GPU(s) (2 engine(s) x rollout.tensor_parallel_size 2); "
+                            "the cluster has 0")
