@@ -193,6 +193,9 @@ def test_config_keys_for_vllm_and_weight_sync():
         assert words in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="less than or equal to 1"):
         load_config("configs/quickstart.yaml", ["rollout.backend=vllm", "rollout.gpu_memory_utilization=1.5"])
+    gpu = load_config("configs/gpu.yaml")  # the GPU job config validates (it runs only where vllm and GPUs are)
+    assert (gpu.rollout.backend, gpu.trainer.weight_sync, gpu.learner.bf16, gpu.learner.zero_stage) == \
+        ("vllm", "broadcast", True, 2)
 
 
 def test_vllm_engine_generates_and_loads_weights_in_place(tmp_path):
