@@ -4,7 +4,9 @@ Rule path: decode each response and call `task.reward(row, text)` with the row s
 the experience's `meta`; a task with `shaping` (config `task.shaping`, envs/rewards.py) has
 its reward shaped from the response's token ids (cosine length reward, repetition penalty).
 Model path: `AutoModelForSequenceClassification` from a local directory scores prompt +
-response (the logit of its single label).
+response (the logit of its single label). A reward model dir with its own tokenizer (`rlsys
+rm train` saves one) scores the decoded text re-encoded with it; without one, the policy's
+token ids are scored as they are.
 """
 from __future__ import annotations
 
@@ -28,9 +30,8 @@ class RewardWorker:
         self.task = task
         self.model = None
         if reward_model_dir is not None:
-            from transformers import AutoModelForSequenceClassification
-
-            self.model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir, local_files_only=True).eval()
+            self.reward_model = RewardModel(reward_model_dir)
+            self.model = self.reward_model.model
 
     def decode(self, table: pa.Table) -> list[str]:
         return self.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
@@ -47,6 +48,9 @@ class RewardWorker:
 
     @torch.no_grad()
     def _model_scores(self, table: pa.Table, batch_size: int = 32) -> list[float]:
+        if self.reward_model.tokenizer is not None:
+            prompts = self.tokenizer.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
+            return self.reward_model.score_texts(prompts, self.decode(table))
         seqs = [p + r for p, r in zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())]
         pad = self.tokenizer.pad_token_id or 0
         scores: list[float] = []
@@ -54,3 +58,53 @@ class RewardWorker:
             ids, mask = pad_sequences(seqs[s : s + batch_size], pad, left=False)
             scores += self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
         return scores
+
+
+class RewardModel:
+    """A sequence-classification reward model from a local dir, with its own tokenizer when the
+    dir has one (`<dir>/tokenizer` or `<dir>/tokenizer.json`), else `tokenizer`: r(x, y) = the
+    single logit on the text x + y."""
+
+    def __init__(self, model_dir: str, batch_size: int = 32, tokenizer=None):
+        from pathlib import Path
+
+        from transformers import AutoModelForSequenceClassification
+
+        from rlsys.models import load_tokenizer
+
+        quiet_transformers()
+        path = Path(model_dir)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a reward model directory (no config.json)")
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True).eval()
+        has_tokenizer = (path / "tokenizer" / "tokenizer.json").exists() or (path / "tokenizer.json").exists()
+        self.tokenizer = load_tokenizer(path) if has_tokenizer else tokenizer  # else: the caller's (the policy's)
+        self.batch_size = batch_size
+
+    def score_texts(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """r(prompt, response) for each pair, on `prompt + response` encoded by the model's tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this reward model dir has no tokenizer; score token ids through RewardWorker instead")
+        return reward_scores(self.model, self.tokenizer, prompts, responses, self.batch_size)
+
+
+def encode_pairs(tokenizer, prompts: list[str], responses: list[str]) -> list[list[int]]:
+    """The reward model's input: `prompt + response` as one text, no special tokens (training and scoring alike)."""
+    return [tokenizer(p + r, add_special_tokens=False)["input_ids"] for p, r in zip(prompts, responses)]
+
+
+def sequence_scores(model, seqs: list[list[int]]) -> torch.Tensor:
+    """The single logit per sequence (right-padded with the config's pad id; the model pools
+    the last non-pad token)."""
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ids, mask = pad_sequences(seqs, pad, left=False)
+    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
+@torch.no_grad()
+def reward_scores(model, tokenizer, prompts: list[str], responses: list[str], batch_size: int = 32) -> list[float]:
+    seqs = encode_pairs(tokenizer, prompts, responses)
+    scores: list[float] = []
+    for s in range(0, len(seqs), batch_size):
+        scores += sequence_scores(model, seqs[s : s + batch_size]).tolist()
+    return scores

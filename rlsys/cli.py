@@ -69,7 +69,8 @@ def _job_command(args) -> int:
     return 0
 
 
-SPEC_FLAGS = ("name", "split", "dataset", "metric", "temperature", "n", "max_new_tokens", "limit", "every", "seed")
+SPEC_FLAGS = ("name", "split", "dataset", "metric", "reward_model", "judge", "temperature", "n", "max_new_tokens", "limit",
+              "every", "seed")
 
 
 def _eval(args) -> int:
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, prefix in (
         ("sandbox", "sandbox.cli", []),
         ("quantize", "rlsys.quantize.cli", []),
+        ("rm", "rlsys.reward_model", []),
         ("privacy", "rlsys.privacy.cli", []),
     ):
         s = sub.add_parser(name, help=f"{name} commands", add_help=False)

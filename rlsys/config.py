@@ -158,6 +158,61 @@ class SandboxConfig(Section):
     memory_mb: int = Field(1024, ge=64, le=65536, description="the paper: 1 GB")
 
 
+class JudgeConfig(Section):
+    """The generative judge (actors/judge.py) as a reward source: plan, execution, verdict."""
+
+    mode: Literal["pointwise", "pairwise"] = Field(
+        "pointwise", description="pointwise: 'Score: N' mapped to [0, 1]; pairwise: win rates within each group, both orders")
+    backend: Literal["hf", "vllm"] = "hf"
+    batch_size: int = Field(32, ge=1, description="sequences per generate call")
+    max_plan_tokens: int = Field(64, ge=1, le=4096)
+    max_execution_tokens: int = Field(128, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0, description="0 is greedy")
+    min_score: int = 1
+    max_score: int = 10
+    unparsable_reward: float = Field(0.0, description="pointwise reward of a response whose score is unparsable")
+
+    @field_validator("max_score")
+    @classmethod
+    def _above_min(cls, v, info):
+        if "min_score" in info.data and v <= info.data["min_score"]:
+            raise ValueError(f"must be above reward.judge.min_score ({info.data['min_score']})")
+        return v
+
+
+def _model_dir_for(source: str, v, info, required: bool):
+    """A reward model/judge directory: only for reward.source `source`, required there if `required`, must hold a model."""
+    chosen = info.data.get("source")
+    if v is None:
+        if required and chosen == source:
+            raise ValueError(f"is required when reward.source is '{source}'")
+        return v
+    if chosen != source:
+        raise ValueError(f"is used by reward.source '{source}' only (reward.source is '{chosen}')")
+    if not (Path(v) / "config.json").exists():
+        raise ValueError("is not a model directory (no config.json)")
+    return v
+
+
+class RewardConfig(Section):
+    """Where rewards come from: the task's rule, a sequence-classification reward model, or a judge."""
+
+    source: Literal["rule", "model", "judge"] = "rule"
+    model_dir: Optional[str] = Field(None, validate_default=True, description="reward model dir (`rlsys rm train`)")
+    judge_dir: Optional[str] = Field(None, description="judge causal LM dir; none: the initial policy judges")
+    judge: JudgeConfig = JudgeConfig()
+
+    @field_validator("model_dir")
+    @classmethod
+    def _model_dir(cls, v, info):
+        return _model_dir_for("model", v, info, required=True)
+
+    @field_validator("judge_dir")
+    @classmethod
+    def _judge_dir(cls, v, info):
+        return _model_dir_for("judge", v, info, required=False)
+
+
 class AlgorithmSection(BaseModel):
     """Only `name` is checked here; the algorithm's own Config validates the other keys."""
 
@@ -175,6 +230,7 @@ class JobConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     buffer: BufferConfig = BufferConfig()
     ray: RayConfig = RayConfig()
+    reward: RewardConfig = RewardConfig()
     sandbox: SandboxConfig = SandboxConfig()
     algorithm: AlgorithmSection = AlgorithmSection()
 

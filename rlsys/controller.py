@@ -206,9 +206,9 @@ class Controller:
     def start_actors(self, policy_dir: Path) -> None:
         from actors.learner import Learner
         from actors.reference import ReferenceWorker
-        from actors.reward import RewardWorker
         from actors.rollout import RolloutWorker
         from rlsys.buffer import ExperienceBuffer
+        from rlsys.reward_source import start_reward_actor
 
         cfg = self.cfg
         r, l = cfg.rollout, cfg.learner
@@ -223,7 +223,7 @@ class Controller:
         ]
         temperature = r.temperature if r.temperature > 0 else 1.0
         self.reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature)
-        self.reward = ray.remote(RewardWorker).options(num_cpus=0.1).remote(str(policy_dir), task=self.task)
+        self.reward = start_reward_actor(cfg.reward, policy_dir, self.task, cfg.run.seed)  # reward.source: rule/model/judge
         port = free_port()
         self.learners = [
             ray.remote(Learner).options(num_cpus=0.5, num_gpus=self._learner_gpus()).remote(
@@ -282,6 +282,8 @@ class Controller:
         with ctx.timed("prepare"):
             batch = self.algorithm.prepare(table)
             extra = getattr(self.algorithm, "prepare_metrics", lambda t: {})(table)
+            if cfg.reward.source == "judge":  # judge/* verdict rates and order disagreements of this step
+                extra.update(ray.get(self.reward.take_metrics.remote()))
         rank_metrics = [{}]  # prepare -> None: a step that only gathers experience (CDG's ReST play), no update
         if batch is not None:
             with ctx.timed("train"):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlsys.config import ConfigError
 
 NAMESPACE = "rlsys"
+MODEL_METRICS = ("reward_model", "judge")  # scored by a model: mean reward-model score, mean judge score in [0, 1]
 MAX_PENDING = 4  # evaluations in flight per evaluator; one further behind skips steps rather than queue
 
 
@@ -34,7 +35,10 @@ class EvaluatorSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     split: Literal["train", "eval"] = "eval"
     dataset: Optional[str] = Field(None, description="jsonl/parquet of {prompt, answer}; replaces split")
-    metric: str = Field("accuracy", description="'accuracy' or 'module:function' (row, response_text) -> float")
+    metric: str = Field("accuracy", description="'accuracy', 'reward_model', 'judge' or 'module:function' "
+                                                "(row, response_text) -> float")
+    reward_model: Optional[str] = Field(None, validate_default=True, description="reward model dir, metric reward_model")
+    judge: Optional[str] = Field(None, validate_default=True, description="judge model dir, metric judge (pointwise)")
     temperature: float = Field(0.0, ge=0, description="0 is greedy")
     n: int = Field(1, ge=1, le=64, description="samples per prompt")
     max_new_tokens: Optional[int] = Field(None, ge=1, le=4096)
@@ -61,20 +65,31 @@ class EvaluatorSpec(BaseModel):
     @field_validator("metric")
     @classmethod
     def _metric_importable(cls, v):
-        if v != "accuracy":
+        if v not in MODEL_METRICS and v != "accuracy":
             resolve_metric(v)
+        return v
+
+    @field_validator("reward_model", "judge")
+    @classmethod
+    def _model_dir(cls, v, info):
+        if info.data.get("metric") == info.field_name and v is None:
+            raise ValueError(f"is required by metric '{info.field_name}' (a model directory)")
+        if v is not None and info.data.get("metric") != info.field_name:
+            raise ValueError(f"is used by metric '{info.field_name}' only")
+        if v is not None and not (Path(v) / "config.json").is_file():
+            raise ValueError("is not a model directory (no config.json)")
         return v
 
     @property
     def metric_key(self) -> str:
-        return "accuracy" if self.metric == "accuracy" else self.metric.split(":")[1]
+        return self.metric if self.metric == "accuracy" or self.metric in MODEL_METRICS else self.metric.split(":")[1]
 
 
 def resolve_metric(path: str):
     """`module:function` -> the function; ValueError (one line) otherwise."""
     module, _, fn = path.partition(":")
     if not module or not fn.isidentifier():
-        raise ValueError("must be 'accuracy' or an import path 'module:function'")
+        raise ValueError("must be 'accuracy' or an import path 'module:function' (or 'reward_model', 'judge')")
     try:
         obj = getattr(importlib.import_module(module), fn)
     except (ImportError, AttributeError) as e:
@@ -160,7 +175,15 @@ class EvaluatorWorker:
         rows = read_rows(s.dataset, required=("prompt", "answer")) if s.dataset else task.rows(s.split)
         self.rows = rows[: s.limit]
         self.prompt_ids = [self.tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.rows]
-        self.score = task.is_correct if s.metric == "accuracy" else resolve_metric(s.metric)
+        self.score = task.is_correct if s.metric == "accuracy" else None if s.metric in MODEL_METRICS else resolve_metric(s.metric)
+        if s.metric == "reward_model":
+            from actors.reward import RewardModel
+
+            self.reward_model = RewardModel(s.reward_model, tokenizer=self.tokenizer)
+        elif s.metric == "judge":
+            from actors.judge import JudgeWorker
+
+            self.judge = JudgeWorker(s.judge, options={"seed": s.seed})
         self.max_new_tokens = s.max_new_tokens or max_new_tokens
 
     def evaluate(self, version: int, weights) -> dict:
@@ -175,12 +198,34 @@ class EvaluatorWorker:
                                 stop_token_ids=(self.tokenizer.eos_token_id,))
         gens = self.worker.generate([GenerationRequest(p, params) for p in self.prompt_ids])
         texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        if s.metric in MODEL_METRICS:
+            return {"policy_version": self.worker.version, "metrics": self.model_metric([g.request_index for g in gens], texts)}
         scores = np.array([float(self.score(self.rows[g.request_index], t)) for g, t in zip(gens, texts)])
         out = {s.metric_key: float(scores.mean()), "n": float(len(self.rows))}
         if s.n > 1:  # a prompt passes when any of its n samples scores 1
             passed = {g.request_index for g, x in zip(gens, scores) if x >= 1.0}
             out[f"pass@{s.n}"] = len(passed) / len(self.rows)
         return {"policy_version": self.worker.version, "metrics": out}
+
+    def model_metric(self, row_index: list[int], texts: list[str]) -> dict:
+        """Mean reward-model score, or mean pointwise judge score in [0, 1] over the parsable
+        verdicts with the unparsable share beside it (absent when none parsed: no silent score)."""
+        import numpy as np
+
+        from actors.judge import score_reward
+
+        prompts = [self.task.prompt_text(self.rows[i]) for i in row_index]
+        out = {"n": float(len(self.rows))}
+        if self.spec.metric == "reward_model":
+            out["reward_model"] = float(np.mean(self.reward_model.score_texts(prompts, texts)))
+            return out
+        o = self.judge.options
+        judged = self.judge.pointwise(list(zip(prompts, texts)))
+        parsed = [score_reward(j.score, o.min_score, o.max_score, 0.0) for j in judged if j.score is not None]
+        out["judge_unparsable"] = 1.0 - len(parsed) / len(judged)
+        if parsed:
+            out["judge"] = float(np.mean(parsed))
+        return out
 
 
 def _drop_stale_registry(name: str, run_name: str) -> None:

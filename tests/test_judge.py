@@ -144,15 +144,23 @@ class PromptTask:
         return row["prompt"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: one thread is fastest on a shared 2-core machine (two threads contend)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def judge_dirs(tmp_path_factory):
     """A random-init tiny judge and one trained to the scripted behaviour, both saved with save_pretrained."""
-    import torch
-
     from algorithms.sft import warmup
     from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer
 
-    torch.set_num_threads(1)
     rows = scripted_rows()
     tokenizer = train_tokenizer([r["prompt"] + r["answer"] for r in rows], 512)
     spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
