@@ -38,7 +38,9 @@ from pydantic import Field
 from algorithms.base import AlgorithmConfig, ModelOutputs, register, rewards_of, set_token_column
 from algorithms.common import broadcast_to_tokens, clipped_policy_loss, grpo_advantages, group_stats, k3_kl, masked_mean
 from algorithms.sft import sft_loss
-from envs.cdg_game import ROLES, Game, Templates, Turn, critic_context, final_only_mask, play_games, prover_transcript
+from envs.cdg_game import (
+    ROLES, Game, RevisionWarmupTask, Templates, Turn, critic_context, final_only_mask, play_games, prover_transcript,
+)
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
@@ -56,6 +58,7 @@ class CDGConfig(AlgorithmConfig):
     critique_open: str = Field(" critique:", min_length=1)
     revise_open: str = Field(" final:", min_length=1)
     restate_problem: bool = Field(True, description="end the revision context with the problem asked again")
+    warmup_revision: bool = Field(False, description="also warm up on revision turns (a model that has never seen the game)")
     # online
     clip_eps: float = Field(0.2, gt=0, lt=1)
     kl_coef: float = Field(0.04, ge=0)
@@ -157,6 +160,14 @@ class CDG:
     def thresholds(self) -> dict[str, float]:
         c = self.config
         return {"prover": c.prover_threshold, "helpful": c.helpful_threshold, "misleading": c.misleading_threshold}
+
+    def warmup_task(self, task, tokenizer):
+        """The task the supervised warm-up trains on: the task, or with `warmup_revision` the task
+        plus revision-turn rows in the game's format (`RevisionWarmupTask`)."""
+        c = self.config
+        if not c.warmup_revision:
+            return task
+        return RevisionWarmupTask(task, c.critique_open, c.revise_open, tokenizer.eos_token, c.restate_problem)
 
     def rollout(self, ctx, prompts) -> pa.Table:
         table = self.sft_table(ctx) if self.phase == "sft" else self.play(ctx, prompts)

@@ -147,3 +147,51 @@ def play_games(problems: Sequence[tuple[str, dict, list[int]]], sample: Sampler,
         c.finals = turns
         c.finals_ok = [bool(is_correct(g.row, t.ids)) for t in turns]
     return games
+
+
+@dataclass
+class RevisionWarmupTask:
+    """The task for the supervised warm-up of a model that has never seen the game (a tiny model
+    trained from scratch; the paper starts from an instruct model that follows role prompts):
+    every training row once as it is and once as a prover's revision turn (an earlier answer,
+    right or wrong at random, a critique of random digits, the problem asked again) with the gold
+    answer as target. Other splits and the reward are the task's own."""
+
+    task: object
+    critique_open: str
+    revise_open: str
+    eos: str  # the tokenizer's stop token as text: a turn ends with it in the game's transcripts
+    restate_problem: bool = True
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def rows(self, split: str) -> list[dict]:
+        rows = self.task.rows(split)
+        if split != "train":
+            return rows
+        import random
+
+        rng = random.Random(self.seed)
+        eos, out = self.eos, list(rows)
+        for row in rows:
+            earlier = str(row["answer"]) if rng.random() < 0.5 else str(rng.randint(0, 99))
+            critique = "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(1, 3)))
+            problem = self.task.prompt_text(row)
+            out.append({**row, "revision_prompt": f"{problem}{earlier}{eos}{self.critique_open}{critique}{eos}"
+                                                  f"{self.revise_open}{problem if self.restate_problem else ''}"})
+        return out
+
+    def prompt_text(self, row: dict) -> str:
+        return row.get("revision_prompt") or self.task.prompt_text(row)
+
+    def is_correct(self, row: dict, response_text: str) -> bool:
+        return self.task.is_correct(row, response_text)
+
+    def reward(self, row: dict, response_text: str) -> float:
+        return self.task.reward(row, response_text)
+
+    def corpus(self) -> list[str]:
+        return self.task.corpus()

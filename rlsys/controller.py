@@ -196,7 +196,8 @@ class Controller:
             model = build_tiny_model(spec, tokenizer, seed=cfg.run.seed)
         if cfg.sft.steps:
             bar = _bar(cfg.sft.steps, "warm-up", self.progress)
-            warmup(model, tokenizer, self.task, self.task.rows("train"), cfg.sft.steps, cfg.sft.batch_size,
+            warm = getattr(self.algorithm, "warmup_task", lambda task, tok: task)(self.task, tokenizer)  # CDG: + game format
+            warmup(model, tokenizer, warm, warm.rows("train"), cfg.sft.steps, cfg.sft.batch_size,
                    cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update())
             bar.close()
         save_model_dir(model, tokenizer, init_dir)

@@ -189,6 +189,26 @@ def test_stored_transcript_masks_each_role_for_the_others(tokenizer, templates):
             assert sum(s["loss_mask"][n:]) == r["meta"]["final_len"]
 
 
+def test_revision_warmup_rows_tokenize_to_the_games_revision_context(tokenizer, templates, tmp_path):
+    from envs.arithmetic import ArithmeticTask
+    from envs.cdg_game import RevisionWarmupTask
+
+    task = ArithmeticTask.create(tmp_path, 30, 5, 0, 9, ["+"], 0)
+    warm = CDG(CDGConfig(warmup_revision=True)).warmup_task(task, tokenizer)
+    assert isinstance(warm, RevisionWarmupTask) and CDG(CDGConfig()).warmup_task(task, tokenizer) is task
+    rows = warm.rows("train")
+    assert rows[:30] == task.rows("train") and len(rows) == 60 and warm.rows("eval") == task.rows("eval")
+    eos = tokenizer.eos_token
+    for row in rows[30:]:
+        problem = task.prompt_text(row)
+        earlier, rest = row["revision_prompt"][len(problem):].split(eos, 1)
+        critique = rest[len(" critique:"):].split(eos)[0]
+        game = revision_context(templates, ids(tokenizer, problem), ids(tokenizer, earlier) + [tokenizer.eos_token_id],
+                                ids(tokenizer, critique) + [tokenizer.eos_token_id])
+        assert ids(tokenizer, warm.prompt_text(row)) == game  # the warm-up teaches the exact format the game plays
+        assert warm.is_correct(row, row["answer"])
+
+
 # ---- algorithm: phases, batches, losses, state -------------------------------------------------
 def test_rest_phases_and_state_round_trip(tokenizer, templates):
     algo = CDG(CDGConfig(mode="rest", play_steps=2, sft_steps=3))
