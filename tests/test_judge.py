@@ -219,3 +219,54 @@ def test_scripted_tiny_judge_parsable_verdicts_are_combined_right(judge_dirs):
     assert judge.score(table) == [0.5] * 5
     m = judge.take_metrics()
     assert m["judge/pairs"] == 3 + 1 and m["judge/order_disagreements"] == 1.0
+
+
+def test_pairwise_judge_rewards_label_pilaf_pairs():
+    """A pair's both-order verdict, as rewards (win rates), gives PILAF's labels: an agreed
+    preference is decisive for the right side; a tie, a disagreement or an unparsable pair is not."""
+    from algorithms.pilaf import label_pairs
+
+    rng = np.random.default_rng(0)
+    verdicts = [combine_orders(*o)[0] for o in (("A", "B"), ("B", "A"), ("A", "A"), ("tie", "tie"), ("A", UNPARSABLE))]
+    rewards = np.array([win_rates(2, {(0, 1): v}) for v in verdicts])
+    a_wins, decisive = label_pairs(rewards[:, 0], rewards[:, 1], "max", rng)
+    assert decisive.tolist() == [True, True, False, False, False]
+    assert a_wins[:2].tolist() == [True, False]
+
+
+def test_judge_metric_of_an_attached_evaluator(judge_dirs, tmp_path):
+    from envs.arithmetic import ArithmeticTask
+    from rlsys.evaluators import EvaluatorWorker, parse_spec
+
+    random_dir, scripted_dir = judge_dirs
+    task = ArithmeticTask.create(tmp_path, 20, 6, 0, 3, ["+"], seed=0)
+    for judge_dir, expected in ((scripted_dir, {"judge": 6 / 9, "judge_unparsable": 0.0, "n": 4.0}),
+                                (random_dir, {"judge_unparsable": 1.0, "n": 4.0})):
+        spec = parse_spec({"name": "judged", "metric": "judge", "judge": str(judge_dir), "limit": 4, "max_new_tokens": 3})
+        assert spec.metric_key == "judge"
+        # the policy under evaluation is the random tiny model; the judge scores its answers
+        evaluator = EvaluatorWorker(str(random_dir), spec.model_dump(), task, max_new_tokens=3)
+        evaluator.judge.options.max_plan_tokens, evaluator.judge.options.max_execution_tokens = 8, 16
+        metrics = evaluator.evaluate(0, None)["metrics"]
+        assert metrics.keys() == expected.keys() and metrics == pytest.approx(expected)
+
+
+@pytest.mark.integration
+def test_judge_reward_actor_on_a_local_cluster(ray_cluster, judge_dirs):
+    """`reward.source: judge` starts a JudgeWorker actor (the controller's path) that scores an
+    experience table and hands its judge/* metrics over once."""
+    from rlsys.config import load_config
+    from rlsys.models import load_tokenizer
+    from rlsys.reward_source import start_reward_actor
+
+    random_dir, scripted_dir = judge_dirs
+    cfg = load_config("configs/pilaf.yaml", ["reward.source=judge", f"reward.judge_dir={scripted_dir}",
+                                             "reward.judge.mode=pairwise", "reward.judge.max_execution_tokens=16",
+                                             "reward.judge.max_plan_tokens=8"])
+    actor = start_reward_actor(cfg.reward, random_dir, task=None)  # the policy's tokenizer: random_dir's
+    table = experience(["2+2=", "2+2="], ["4", "5"], ["g", "g"], load_tokenizer(random_dir))
+    assert ray_cluster.get(actor.score.remote(table)) == [0.5, 0.5]
+    metrics = ray_cluster.get(actor.take_metrics.remote())
+    assert metrics["judge/pairs"] == 1 and metrics["judge/order_disagreements"] == 1.0
+    assert ray_cluster.get(actor.take_metrics.remote()) == {}
+    ray_cluster.kill(actor)
