@@ -119,10 +119,6 @@ class PointJudgement:
     plan: str = ""
     execution: str = ""
 
-    @property
-    def verdict(self) -> str:
-        return UNPARSABLE if self.score is None else str(self.score)
-
 
 # ---- rewards and metrics from judgements ------------------------------------------------------
 def round_robin(n: int) -> list[tuple[int, int]]:
