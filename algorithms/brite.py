@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, register, set_token_column
 from algorithms.common import broadcast_to_tokens, clipped_policy_loss, rloo_advantages
@@ -58,16 +58,17 @@ class BRiTEConfig(AlgorithmConfig):
     psi_steps: int = Field(1, ge=0, description="learner steps of KL-regularised RL per iteration")
     theta_steps: int = Field(1, ge=0, description="learner steps of likelihood fine-tuning per iteration")
     group_size: int = Field(4, ge=2, description="rationales sampled per prompt")
-    rationale_tokens: int = Field(8, ge=1, description="most tokens of a rationale, the marker included")
+    rationale_tokens: int = Field(8, ge=1, description="most sampled tokens of a rationale (a cut one gets the marker appended)")
     answer_tokens: int = Field(4, ge=1, description="most tokens of the sampled answer, eos included")
     kl_coef: float = Field(1.0, ge=0, description="beta; 1 makes the psi-step optimum the posterior")
     clip_eps: float = Field(0.2, gt=0, lt=1)
 
-    @model_validator(mode="after")
-    def _some_phase(self):
-        if self.psi_steps + self.theta_steps == 0:
+    @field_validator("theta_steps")
+    @classmethod
+    def _some_phase(cls, v, info):
+        if v + info.data.get("psi_steps", 1) == 0:
             raise ValueError("psi_steps + theta_steps must be at least 1")
-        return self
+        return v
 
 
 # ---- pure functions ----------------------------------------------------------------------------

@@ -58,8 +58,8 @@ def test_psi_step_estimator_converges_to_the_posterior():
     success = torch.tensor([0.05, 0.6, 0.2, 0.9])
     posterior = prior * success / (prior * success).sum()
     logits = torch.log(prior).clone().requires_grad_(True)  # Q starts at the prior P(. | x, theta)
-    opt = torch.optim.SGD([logits], lr=0.5)
-    for _ in range(600):
+    opt = torch.optim.SGD([logits], lr=1.0)
+    for _ in range(200):
         logq = torch.log_softmax(logits, 0)
         z = torch.multinomial(logq.exp().detach(), 64, replacement=True, generator=gen)
         returns = kl_regularised_returns(torch.log(success[z]).numpy(), logq[z].detach().numpy(),
@@ -72,6 +72,10 @@ def test_psi_step_estimator_converges_to_the_posterior():
     q = torch.softmax(logits, 0).detach()
     assert 0.5 * (q - posterior).abs().sum().item() < 0.03, (q, posterior)
     assert 0.5 * (prior - posterior).abs().sum().item() > 0.3  # far from where it started
+    # at the posterior every return is log P(o=1|x): zero advantages, the estimator's fixed point
+    at_posterior = kl_regularised_returns(torch.log(success).numpy(), torch.log(posterior).numpy(),
+                                          torch.log(prior).numpy(), beta=1.0)
+    assert at_posterior == pytest.approx([math.log((prior * success).sum().item())] * 4, abs=1e-6)
 
 
 def test_repeated_theta_steps_increase_log_likelihood_of_the_gold_answer():
@@ -148,7 +152,7 @@ def test_answer_after_the_marker():
 @pytest.mark.parametrize("override, words", [
     ("algorithm.psi_steps=-1", ["algorithm.psi_steps", "-1", "greater than or equal to 0"]),
     ("algorithm.group_size=1", ["algorithm.group_size", "1", "greater than or equal to 2"]),
-    ("algorithm.theta_steps=0", ["algorithm", "psi_steps + theta_steps must be at least 1"]),
+    ("algorithm.theta_steps=0", ["algorithm.theta_steps", "0", "psi_steps + theta_steps must be at least 1"]),
     ("algorithm.phases=3", ["unknown key 'algorithm.phases'"]),
 ])
 def test_bad_config_fails_in_one_line(override, words):
@@ -272,3 +276,47 @@ def test_rollout_needs_temperature_one(tiny):
     ctx.sampling = lambda **kw: InProcessContext.sampling(ctx, **{"temperature": 0.7, **kw})
     with pytest.raises(ValueError, match="rollout.temperature must be 1.0"):
         BRiTE().rollout(ctx, _prompts(task, tok, 1))
+
+
+# ---- a phase-crossing run on a real local Ray cluster, checkpointed and resumed ---------------------
+TINY = [
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+    "task.num_train=200", "task.num_eval=16", "task.max_value=9", "sft.steps=5",
+    "trainer.prompts_per_step=4", "trainer.eval_every=2", "rollout.max_new_tokens=6", "rollout.num_workers=1",
+    "algorithm.psi_steps=1", "algorithm.theta_steps=1", "algorithm.group_size=2",
+    "algorithm.rationale_tokens=3", "algorithm.answer_tokens=3", "trainer.checkpoint_every=1",
+]
+
+
+@pytest.mark.integration
+def test_psi_then_theta_across_a_resume_on_a_local_cluster(ray_cluster, tmp_path):
+    """Step 1 (psi) runs and checkpoints; a fresh controller resumes from it and runs step 2,
+    which is the theta-step: the phase came back from the checkpoint."""
+    from rlsys.controller import Controller
+    from rlsys.tracking import read_jsonl
+
+    run_dir = tmp_path / "brite"
+    overrides = [*TINY, f"run.output_dir={tmp_path}", "run.name=brite"]
+    first = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=1"]), run_dir, progress=False)
+    assert first.run()["steps"] == 1
+    saved = json.loads((run_dir / "checkpoints" / "step_1" / "state.json").read_text())["algorithm"]
+    assert saved == {"phase": "theta", "iteration": 0, "step_in_phase": 0}
+    for actor in [*first.workers, first.reference, first.reward, *first.learners, first.buffer]:
+        ray_cluster.kill(actor)
+
+    resumed = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=2"]), run_dir, progress=False)
+    assert resumed.run(resume=True)["steps"] == 2
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    psi, theta = rows
+    assert psi["brite/theta_phase"] == 0.0 and theta["brite/theta_phase"] == 1.0
+    assert psi["brite/iteration"] == theta["brite/iteration"] == 0.0
+    assert "loss/psi_policy" in psi and "brite/kl_ref" in psi and "loss/theta_nll" in theta
+    for row in rows:
+        assert row["samples"] == 4 * 2 and row["brite/shaped_reward"] < 0
+        assert 1 <= row["brite/rationale_tokens"] <= 3 + 1  # a cut rationale: 3 sampled tokens + the marker
+        assert all(v == v for v in row.values() if isinstance(v, float))  # no NaN
+    assert theta["loss/theta_nll"] > 0
+    assert json.loads((run_dir / "checkpoints" / "step_2" / "state.json").read_text())["algorithm"] == {
+        "phase": "psi", "iteration": 1, "step_in_phase": 0}
+    assert ray_cluster.get(resumed.workers[0].policy_version.remote()) == 2
