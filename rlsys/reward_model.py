@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.init and not (Path(args.init) / "config.json").exists():
         raise ConfigError(f"rm error: --init = {args.init!r}: not a model directory (no config.json)")
     cfg = load_config(args.config, args.overrides)
+    from actors.modeling import quiet_transformers
+
+    quiet_transformers()
     torch.set_num_threads(args.threads)
     report = train_from_config(cfg, Path(args.out), args.steps, args.batch_size, args.lr, args.pairs_per_problem,
                                args.init, log=lambda s: print(s, file=sys.stderr))
