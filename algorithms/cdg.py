@@ -97,7 +97,8 @@ def rest_keep(role: str, rate: float, final_ok: bool, thresholds: dict[str, floa
     return rate > thresholds[role] and (role != "prover" or final_ok)
 
 
-def game_rows(games: Sequence[Game], templates: Templates, eta: float, policy_version: int, phase: str) -> list[dict]:
+def game_rows(games: Sequence[Game], templates: Templates, eta: float, policy_version: int, phase: str,
+              round_: int = 0) -> list[dict]:
     """Experience rows of played games: one per critique (critic row) and one per final answer
     (prover transcript). `meta.rate` is the sample's success rate by repeated play: the flip
     rate for a critique, P(z' ok) from the same (z, critique) context for a prover transcript."""
@@ -105,7 +106,8 @@ def game_rows(games: Sequence[Game], templates: Templates, eta: float, policy_ve
     for g in games:
         for j, c in enumerate(g.critiques):
             flip = flip_rate(g.role, c.finals_ok)
-            base = dict(game=f"{g.problem_uid}/{g.solution_index}", solution_ok=g.solution_ok, critic=g.role, phase=phase)
+            base = dict(game=f"{g.problem_uid}/{g.solution_index}", solution_ok=g.solution_ok, critic=g.role, phase=phase,
+                        round=round_)
             rows.append(dict(
                 uid=new_uid(), group=f"{g.problem_uid}/{g.solution_index}/critic",
                 prompt_ids=critic_context(templates, g.role, g.problem_ids, g.solution.ids),
@@ -181,7 +183,7 @@ class CDG:
         tokens = ctx.sampling().max_new_tokens
         games = play_games([(p.uid, p.meta, list(p.prompt_ids)) for p in prompts], sampler(ctx), checker(ctx), templates,
                            c.solutions, c.critiques, c.finals, tokens, c.critique_tokens or tokens, tokens)
-        rows = game_rows(games, templates, c.eta, ctx.policy_version, self.phase)
+        rows = game_rows(games, templates, c.eta, ctx.policy_version, self.phase, self.round)
         if self.phase == "play":
             kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], self.thresholds)]
             added = add_to_pool(self.pool, [sft_sample(r) for r in kept], c.max_pool_per_role)
@@ -199,7 +201,8 @@ class CDG:
         pick = rng.choice(len(samples), size=min(self.config.sft_batch_size, len(samples)), replace=False)
         rows = [dict(uid=new_uid(), group=s["group"], prompt_ids=s["prompt_ids"], response_ids=s["response_ids"],
                      logprobs=[0.0] * len(s["response_ids"]), loss_mask=s["loss_mask"], reward=s["rate"],
-                     policy_version=ctx.policy_version, meta={"role": s["role"], "phase": "sft", "rate": s["rate"]})
+                     policy_version=ctx.policy_version,
+                     meta={"role": s["role"], "phase": "sft", "rate": s["rate"], "round": self.round})
                 for s in (samples[i] for i in sorted(pick))]
         return make_experience(rows)
 
@@ -229,7 +232,7 @@ class CDG:
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         metas, rewards = meta_of(table), rewards_of(table)
-        out = {"cdg/round": float(self.round), "cdg/phase_sft": float(table_phase(table) == "sft")}
+        out = {"cdg/round": float(metas[0]["round"]), "cdg/phase_sft": float(table_phase(table) == "sft")}
         out.update({f"cdg/pool_{r}": float(len(self.pool[r])) for r in ROLES if self.config.mode == "rest"})
         by_role = {r: [i for i, m in enumerate(metas) if m["role"] == r] for r in ROLES}
         if table_phase(table) == "sft":
@@ -245,7 +248,7 @@ class CDG:
             if ix:
                 out[f"cdg/{role}_flip_rate"] = float(rewards[ix].mean())
         if table_phase(table) == "play":
-            out["cdg/pool_added"] = float(metas[0]["pool_added"])
+            out["cdg/pool_added"] = float(metas[0].get("pool_added", 0))
         else:
             out.update(group_stats(rewards.tolist(), table.column("group").to_pylist()))
         return out

@@ -237,6 +237,9 @@ def test_prepare_and_loss_follow_the_phase(tokenizer, templates):
     algo = CDG(CDGConfig(mode="rest", kl_coef=0.0))
     play_table = make_experience(game_rows(games, templates, 0.5, 0, "play"))
     assert table_phase(play_table) == "play" and algo.prepare(play_table) is None  # no update while playing
+    metrics = algo.prepare_metrics(play_table)
+    assert metrics["cdg/solution_acc"] == 0.5 and metrics["cdg/final_acc"] == pytest.approx(2 / 3)
+    assert metrics["cdg/helpful_flip_rate"] == pytest.approx(2 / 3) and metrics["cdg/misleading_flip_rate"] == pytest.approx(1 / 3)
 
     algo.pool["prover"] = [sft_sample(r) for r in game_rows(games, templates, 0.5, 0, "play") if r["meta"]["role"] == "prover"]
 
@@ -247,6 +250,7 @@ def test_prepare_and_loss_follow_the_phase(tokenizer, templates):
     sft = algo.sft_table(Ctx())
     assert table_phase(sft) == "sft" and sft.num_rows == min(64, len(algo.pool["prover"]))
     assert set(sft.column("policy_version").to_pylist()) == {7}
+    assert algo.prepare_metrics(sft)["cdg/sft_prover"] == sft.num_rows
     batch = algo.prepare(sft)
     logprobs = torch.log(torch.rand(batch.response_mask.shape) * 0.9 + 0.05)
     from algorithms.base import ModelOutputs
