@@ -22,8 +22,13 @@ flip rates estimated by `finals` repeated final answers per critique. Two modes 
   current policy (the learner actor has no reset, and an algorithm must not need an actor change).
 
 A stored transcript is one row per role turn: the prover's row holds z + critique + z' with
-loss_mask 1 on z and z' only; a critic's row holds its own critique after its context.
+loss_mask 1 on z and z' only; a critic's row holds its own critique after its context. A kept
+prover sample is fine-tuned on z' (and on z when z was right); a kept critique on itself.
 Mode, round, phase, step in phase and the pool are `state()`, so checkpoints hold them.
+
+All roles are one policy (role prompts); separate models per role are not offered (the
+learner and rollout actors serve one policy). `warmup_revision` adds revision turns in the
+game's format to the supervised warm-up, for a model that has never seen the game.
 """
 from __future__ import annotations
 
