@@ -3,7 +3,6 @@ order, the plan written from the instruction alone, verdict parsing, order-swap 
 unparsable verdicts reported as such, rewards from judgements; then real tiny models through
 the real HF rollout backend."""
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from actors.judge import (
