@@ -12,7 +12,9 @@ Per-turn rewards (gamma = 1):
     R_t = r_t - beta * mean_{tokens of answer t}(log pi - log ref)         (KL: geometric mean)
     r_t = -0.2 for no parsable code; the last turn also +1/-1 on the private tests.
     A_t = sum_{i>=t} R_i - V(c_t),   V(c_t) read at the last prompt token before answer t,
-shared by every token of answer t. Loss:
+shared by every token of answer t (whitened over the batch's answer tokens by default,
+as ppo.py does: the token-weighted mean push is then zero, which keeps long failed
+episodes from simply pushing the policy's probabilities down). Loss:
     w * clipped surrogate(pi/pi_old, A, 0.2)  +  vf_coef * clipped value loss (0.2) at the V(c_t)
 with w = min(1, pi_old / mu) the importance weight to the behaviour policy mu (the
 sampler's logprobs; pi_old is the learner's own recomputation before the update), capped at 1.
@@ -28,7 +30,7 @@ import torch
 from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, set_token_column
-from algorithms.common import clipped_policy_loss, clipped_value_loss, masked_mean
+from algorithms.common import clipped_policy_loss, clipped_value_loss, masked_mean, masked_whiten
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
@@ -44,6 +46,8 @@ class RLEFConfig(AlgorithmConfig):
     value_clip: float = Field(0.2, gt=0)
     vf_coef: float = Field(0.5, ge=0)
     feedback_chars: int = Field(500, ge=80, le=20000, description="longest feedback turn, in characters")
+    whiten_advantages: bool = Field(True, description="whiten A over the batch's answer tokens (as ppo does); "
+                                    "an affine map, so every token of a turn still shares one value")
 
 
 def turn_spans(turn_lengths: Sequence[int], feedback_lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -133,7 +137,8 @@ class RLEF(StatelessMixin):
             meta = {**p.meta, "turn_rewards": e.turn_rewards, "answer_lengths": answer_lengths[i],
                     "feedback_lengths": feedback_lengths[i], "public_passed": e.public_passed,
                     "private_passed": e.private_passed, "no_code_turns": sum(x is None for x in e.programs),
-                    "finish_reasons": finish[i]}
+                    "finish_reasons": finish[i],
+                    "sandbox_runs": sum(x is not None for x in e.programs) + (e.programs[-1] is not None)}
             rows.append(dict(uid=new_uid(), group=p.uid, prompt_ids=list(p.prompt_ids), response_ids=response[i],
                              logprobs=logprobs[i], loss_mask=loss_mask[i], reward=e.reward,
                              policy_version=ctx.policy_version, meta=meta))
@@ -168,7 +173,10 @@ class RLEF(StatelessMixin):
                 if e > s:
                     returns[i, o + s], value_mask[i, o + s] = float(g[t]), 1.0
         batch.extras = {"behaviour_logprobs": batch.old_logprobs, "value_mask": value_mask}
-        batch.old_logprobs, batch.advantages, batch.returns = old, advantages * batch.response_mask, returns
+        advantages = advantages * batch.response_mask
+        if self.config.whiten_advantages:
+            advantages = masked_whiten(advantages, batch.response_mask)
+        batch.old_logprobs, batch.advantages, batch.returns = old, advantages, returns
         return batch
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
@@ -180,6 +188,7 @@ class RLEF(StatelessMixin):
             "rlef/public_pass": float(np.mean([bool(m["public_passed"]) for m in metas])),
             "rlef/turns_mean": float(np.mean([len(m["answer_lengths"]) for m in metas])),
             "rlef/no_code_turns": float(np.mean([m["no_code_turns"] for m in metas])),
+            "rlef/sandbox_runs": float(sum(m.get("sandbox_runs", 0) for m in metas)),
             "rlef/fixed_after_feedback": float(np.mean([bool(m["public_passed"]) for m in first_fail])) if first_fail else 0.0,
         }
         for k in range(1, self.config.max_turns + 1):

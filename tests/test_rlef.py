@@ -251,8 +251,13 @@ def episode_table():
 
 def test_prepare_shares_the_advantage_per_turn_and_masks_feedback():
     table, rows = episode_table()
-    algo = RLEF(RLEF.Config(kl_coef=0.05))
+    algo = RLEF(RLEF.Config(kl_coef=0.05, whiten_advantages=False))
     batch = algo.prepare(table)
+    whitened = RLEF(RLEF.Config(kl_coef=0.05)).prepare(table).advantages
+    mask = batch.response_mask
+    assert float((whitened * mask).sum()) == pytest.approx(0.0, abs=1e-4)
+    assert torch.allclose(whitened, (batch.advantages - float(batch.advantages[mask > 0].mean())) * mask
+                          / float(batch.advantages[mask > 0].std(unbiased=False)), atol=1e-4)
     for i, row in enumerate(rows):
         o = len(row["prompt_ids"]) - 1
         m = row["meta"]
@@ -309,13 +314,22 @@ def test_config_errors_are_one_line():
         load_config("configs/rlef.yaml", ["sandbox.backend=nsjail"])
 
 
-def test_run_fails_early_when_the_sandbox_engine_is_missing(tmp_path, monkeypatch):
-    from rlsys.config import load_config
-    from rlsys.controller import Controller
-    from rlsys.errors import RunFailed
+def test_run_fails_early_when_the_sandbox_engine_is_missing(tmp_path):
+    # In a process of its own: importing the controller imports ray, and this session's
+    # ray must first be imported by the ray_cluster fixture (rlsys.cluster.init_ray).
+    import os
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("RLSYS_SANDBOX_ROOTFS", str(tmp_path / "no-rootfs"))
-    cfg = load_config("configs/rlef.yaml", [f"run.output_dir={tmp_path}"])
-    with pytest.raises(RunFailed, match="runs code in the bwrap sandbox, which is unavailable") as e:
-        Controller(cfg, tmp_path / "rlef", progress=False).prepare_policy()
-    assert "\n" not in str(e.value) and not (tmp_path / "rlef" / "policy_init").exists()
+    script = ("import sys; from rlsys.config import load_config; from rlsys.controller import Controller\n"
+              "from rlsys.errors import RunFailed\n"
+              f"cfg = load_config('configs/rlef.yaml', ['run.output_dir={tmp_path}'])\n"
+              "try:\n    Controller(cfg, cfg.run.output_dir + '/rlef', progress=False).prepare_policy()\n"
+              "except RunFailed as e:\n    print(e); sys.exit(3)\n")
+    env = {**os.environ, "RLSYS_SANDBOX_ROOTFS": str(tmp_path / "no-rootfs")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout.count("\n") == 1
+    assert proc.stdout.startswith("task 'humaneval' runs code in the bwrap sandbox, which is unavailable here: ")
+    assert "no sandbox root filesystem" in proc.stdout
+    assert not (tmp_path / "rlef" / "policy_init").exists()  # before the tokenizer and the warm-up
