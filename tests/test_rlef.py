@@ -330,6 +330,6 @@ def test_run_fails_early_when_the_sandbox_engine_is_missing(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert proc.stdout.count("\n") == 1
-    assert proc.stdout.startswith("task 'humaneval' runs code in the bwrap sandbox, which is unavailable here: ")
+    assert proc.stdout.startswith("task 'code' runs code in the bwrap sandbox, which is unavailable here: ")
     assert "no sandbox root filesystem" in proc.stdout
     assert not (tmp_path / "rlef" / "policy_init").exists()  # before the tokenizer and the warm-up

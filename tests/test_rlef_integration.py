@@ -9,7 +9,8 @@ from tests.conftest import sandbox_skip_reason
 pytestmark = pytest.mark.integration
 
 TINY = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2", "task.name=humaneval",
+    "task.train_path=null", "task.eval_path=null",  # HumanEval from the wheel
     "task.num_train=4", "task.num_eval=2", "sft.steps=3", "sft.batch_size=4",
     "trainer.prompts_per_step=2", "trainer.steps=2", "trainer.eval_every=0",
     "rollout.max_new_tokens=12", "rollout.num_workers=1",
