@@ -41,7 +41,7 @@ import torch
 from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, register, rewards_of, set_token_column
-from algorithms.common import broadcast_to_tokens, clipped_policy_loss, grpo_advantages, group_stats, k3_kl, masked_mean
+from algorithms.common import broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats
 from algorithms.sft import sft_loss
 from envs.cdg_game import (
     ROLES, Game, RevisionWarmupTask, Templates, Turn, critic_context, final_only_mask, play_games, prover_transcript,
@@ -263,14 +263,7 @@ class CDG:
         if "sft" in batch.extras:
             loss = sft_loss(outputs.logprobs, mask)
             return loss, {"loss/sft": loss.item()}
-        loss, clip_frac, approx_kl = clipped_policy_loss(
-            outputs.logprobs, batch.old_logprobs, batch.advantages, mask, self.config.clip_eps)
-        metrics = {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
-        if self.config.kl_coef > 0:
-            kl = masked_mean(k3_kl(outputs.logprobs, batch.ref_logprobs), mask)
-            loss = loss + self.config.kl_coef * kl
-            metrics["kl_ref"] = kl.item()
-        return loss, metrics
+        return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)
 
     def state(self) -> dict:
         return {"mode": self.config.mode, "round": self.round, "phase": self.phase, "phase_step": self.phase_step,

@@ -103,6 +103,19 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: floa
     return loss, clip_frac, approx_kl
 
 
+def clipped_policy_loss_with_kl(logprobs, batch, clip_eps: float, kl_coef: float):
+    """The PPO clipped surrogate on `batch.advantages` plus `kl_coef * k3(pi, ref)` as a loss
+    (GRPO's objective, shared by the algorithms built on it). Returns (loss, metrics)."""
+    mask = batch.response_mask
+    loss, clip_frac, approx_kl = clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, mask, clip_eps)
+    metrics = {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
+    if kl_coef > 0:
+        kl = masked_mean(k3_kl(logprobs, batch.ref_logprobs), mask)
+        loss = loss + kl_coef * kl
+        metrics["kl_ref"] = kl.item()
+    return loss, metrics
+
+
 def clipped_value_loss(values, old_values, returns, mask, value_clip: float = 0.2):
     """0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2), masked token mean."""
     clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)

@@ -13,14 +13,7 @@ import torch
 from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, rewards_of, sample_groups
-from algorithms.common import (
-    broadcast_to_tokens,
-    clipped_policy_loss,
-    grpo_advantages,
-    group_stats,
-    k3_kl,
-    masked_mean,
-)
+from algorithms.common import broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats
 from rlsys.batch import TrainBatch, collate
 
 
@@ -55,13 +48,4 @@ class GRPO(StatelessMixin):
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
-        mask = batch.response_mask
-        loss, clip_frac, approx_kl = clipped_policy_loss(
-            outputs.logprobs, batch.old_logprobs, batch.advantages, mask, self.config.clip_eps
-        )
-        metrics = {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
-        if self.config.kl_coef > 0:
-            kl = masked_mean(k3_kl(outputs.logprobs, batch.ref_logprobs), mask)
-            loss = loss + self.config.kl_coef * kl
-            metrics["kl_ref"] = kl.item()
-        return loss, metrics
+        return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)

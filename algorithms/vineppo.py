@@ -28,7 +28,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, sample_groups, set_token_column
-from algorithms.common import clipped_policy_loss, k3_kl, masked_mean, masked_whiten
+from algorithms.common import clipped_policy_loss_with_kl, masked_whiten
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
@@ -185,13 +185,4 @@ class VinePPO(StatelessMixin):
         }
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
-        mask = batch.response_mask
-        loss, clip_frac, approx_kl = clipped_policy_loss(
-            outputs.logprobs, batch.old_logprobs, batch.advantages, mask, self.config.clip_eps
-        )
-        metrics = {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
-        if self.config.kl_coef > 0:
-            kl = masked_mean(k3_kl(outputs.logprobs, batch.ref_logprobs), mask)
-            loss = loss + self.config.kl_coef * kl
-            metrics["kl_ref"] = kl.item()
-        return loss, metrics
+        return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)
