@@ -20,6 +20,19 @@ def ray_cluster(tmp_path_factory):
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run many small ops: one torch thread is faster and steadier on a shared
+    2-core machine (two threads contend). Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def sandbox_skip_reason(name: str) -> str:
     """Why the sandbox tests for backend `name` skip here, or "" when they run."""
     if os.environ.get("RLSYS_SANDBOX_SETUP_ERROR"):

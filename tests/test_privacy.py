@@ -16,13 +16,7 @@ from rlsys.privacy.evaluate import evaluate, random_prompts
 N = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Many tiny ops: one thread is faster and steadier on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one thread is fastest on a shared 2-core machine (two threads contend)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_bradley_terry_loss_value_and_gradient():
