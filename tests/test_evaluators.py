@@ -155,3 +155,47 @@ def test_a_registry_left_by_this_process_is_replaced_one_of_another_live_run_ref
     with pytest.raises(Exception, match="a run named twice is already live on this cluster"):
         ray_cluster.get(other)
     fresh.close()
+
+
+def test_pass_at_k_on_the_code_env(tmp_path):
+    """An evaluator with metric accuracy on the code task scores each sample on the private
+    tests in the real bwrap sandbox; n > 1 gives pass@n. A tiny policy that memorised two
+    short HumanEval solutions passes them greedily; a random-init one passes none."""
+    import itertools
+
+    from conftest import sandbox_skip_reason
+
+    why = sandbox_skip_reason("bwrap")
+    if why:
+        pytest.skip(why)
+    import torch
+
+    from algorithms.sft import warmup
+    from envs.code import CodeTask
+    from rlsys.evaluators import EvaluatorWorker
+    from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer
+    from sandbox.types import Limits
+
+    torch.set_num_threads(1)
+    rows = Path("configs/data/humaneval_short.jsonl").read_text().splitlines()
+    data = tmp_path / "two.jsonl"
+    data.write_text("\n".join(itertools.islice(rows, 2)) + "\n")  # HumanEval/23 strlen, /53 add
+    task = CodeTask(data, data)
+    task.use_sandbox("bwrap", Limits(wall_time_s=10))
+    tok = train_tokenizer(task.corpus(), 256)
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=256)
+    random_dir = save_model_dir(build_tiny_model(spec, tok, seed=0), tok, tmp_path / "random")
+    model = build_tiny_model(spec, tok, seed=0)
+    warmup(model, tok, task, task.rows("train"), steps=120, batch_size=2, lr=1e-2, seed=0)
+    trained_dir = save_model_dir(model, tok, tmp_path / "trained")
+
+    def evaluate(policy_dir, **spec):
+        worker = EvaluatorWorker(str(policy_dir), {"name": "code", **spec}, task, max_new_tokens=24)
+        return worker.evaluate(0, None)["metrics"]
+
+    greedy = evaluate(trained_dir)
+    assert greedy == {"accuracy": 1.0, "n": 2.0}
+    sampled = evaluate(trained_dir, n=4, temperature=1.0)
+    assert sampled["pass@4"] >= sampled["accuracy"] and sampled["pass@4"] > 0
+    assert evaluate(random_dir, n=4, temperature=1.0) == {"accuracy": 0.0, "n": 2.0, "pass@4": 0.0}
