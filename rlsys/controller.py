@@ -299,9 +299,11 @@ class Controller:
         metrics.update(extra)
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            "accuracy/train": float((rewards >= 1.0).mean()), "response_length": float(np.mean(lengths)),
+            "response_length": float(np.mean(lengths)),
             "samples": float(table.num_rows), "policy_version": float(ctx.policy_version),
         })
+        if cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
+            metrics["accuracy/train"] = float((rewards >= 1.0).mean())
         for phase, seconds in ctx.timings.items():
             metrics[f"time/{phase}"] = seconds
         metrics["time/step"] = time.perf_counter() - start

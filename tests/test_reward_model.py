@@ -184,6 +184,7 @@ def test_two_grpo_steps_with_rewards_from_the_reward_model(ray_cluster, tmp_path
     assert [r["step"] for r in rows] == [1, 2] and summary["steps"] == 2
     for row in rows:
         assert row["samples"] == 4 * 4 and math.isfinite(row["loss/policy"]) and math.isfinite(row["reward/mean"])
+        assert "accuracy/train" not in row  # reward-model scores say nothing of correctness
     # the run's reward actor is the reward model: its scores on a table match the model's own
     tok = controller.tokenizer
     enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]
