@@ -23,6 +23,7 @@ from envs.rewards import build_shaping
 from rlsys.config import JobConfig, dump_config
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
 from rlsys.generation import GenerationRequest, SamplingParams
+from rlsys.placement import acknowledged, learner_gpus, open_weight_broadcast, rollout_actor_options, vllm_options
 
 
 def free_port() -> int:
@@ -219,15 +220,15 @@ class Controller:
         self.workers = [
             ray.remote(RolloutWorker).options(**placement, **opts).remote(
                 str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized,
-                specache=r.specache_settings(), backend_options=self._vllm_options(i))
-            for i, placement in enumerate(self._rollout_placement())
+                specache=r.specache_settings(), backend_options=vllm_options(cfg, i))
+            for i, placement in enumerate(rollout_actor_options(cfg))
         ]
         temperature = r.temperature if r.temperature > 0 else 1.0
         self.reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature)
         self.reward = start_reward_actor(cfg.reward, policy_dir, self.task, cfg.run.seed)  # reward.source: rule/model/judge
         port = free_port()
         self.learners = [
-            ray.remote(Learner).options(num_cpus=0.5, num_gpus=self._learner_gpus()).remote(
+            ray.remote(Learner).options(num_cpus=0.5, num_gpus=learner_gpus(cfg)).remote(
                 str(policy_dir), self.algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
                 zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
                 threads=l.threads, rank=rank, world_size=l.num_ranks, master_port=port, seed=cfg.run.seed,
@@ -240,7 +241,8 @@ class Controller:
         self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.workers, self.reference, self.reward,
                                 self.learners, cfg.run.seed)
         if cfg.trainer.weight_sync == "broadcast":
-            self.open_weight_broadcast()
+            open_weight_broadcast(cfg, self.learners, self.workers)
+            self.weight_manifest = self._from_learners([l.weight_manifest.remote() for l in self.learners])[0]
         if teacher_dir:
             self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
         if getattr(self.task, "needs_sandbox", False):
@@ -255,7 +257,6 @@ class Controller:
         with one line saying why the sandbox engine is unusable."""
         if not getattr(self.task, "needs_sandbox", False):
             return
-        from rlsys.errors import RunFailed
         from sandbox.base import unavailable
         from sandbox.types import Limits
 
@@ -333,77 +334,11 @@ class Controller:
             raise LearnerFailed(f"learner rank {', '.join(map(str, dead)) or '?'} of {len(self.learners)} died during "
                                 f"step {self.step + 1} ({cause}); the run stopped: {resume}") from None
 
-    def _rollout_placement(self) -> list[dict]:
-        """Ray options of each rollout worker: half a CPU (hf), or a bundle of a placement
-        group holding its vLLM engine's tensor_parallel_size GPUs (vllm)."""
-        r = self.cfg.rollout
-        if r.backend != "vllm":
-            return [dict(num_cpus=0.5)] * r.num_workers
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from actors.vllm_backend import rollout_placement
-
-        gpus, needed = ray.cluster_resources().get("GPU", 0), r.num_workers * r.tensor_parallel_size
-        if gpus < needed:
-            raise RunFailed(f"rollout.backend=vllm needs {needed} GPU(s) ({r.num_workers} engine(s) x "
-                            f"rollout.tensor_parallel_size {r.tensor_parallel_size}); the cluster has {gpus:.0f}")
-        bundles, strategy = rollout_placement(r.num_workers, r.tensor_parallel_size)
-        self.rollout_group = placement_group(bundles, strategy=strategy)
-        timeout = self.cfg.trainer.sync_timeout_s
-        if not self.rollout_group.wait(timeout_seconds=timeout):
-            raise RunFailed(f"the cluster cannot place {r.num_workers} vLLM engines of {r.tensor_parallel_size} GPU(s) "
-                            f"each within {timeout:.0f} s (resources: {ray.cluster_resources().get('GPU', 0):.0f} GPUs)")
-        return [dict(num_cpus=b["CPU"], num_gpus=b["GPU"], scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self.rollout_group, placement_group_bundle_index=i)) for i, b in enumerate(bundles)]
-
-    def _learner_gpus(self) -> int:
-        """1 GPU per learner rank on a cluster with GPUs (beside the vLLM engines'), else 0 (CPU)."""
-        r, gpus = self.cfg.rollout, ray.cluster_resources().get("GPU", 0)
-        rollout_gpus = r.num_workers * r.tensor_parallel_size if r.backend == "vllm" else 0
-        if gpus and gpus < self.cfg.learner.num_ranks + rollout_gpus:
-            raise RunFailed(f"the cluster has {gpus:.0f} GPU(s); {self.cfg.learner.num_ranks} learner rank(s) and "
-                            f"{rollout_gpus} vLLM GPU(s) need one each (no colocation)")
-        return 1 if gpus else 0
-
-    def _vllm_options(self, index: int) -> dict | None:
-        cfg = self.cfg
-        if cfg.rollout.backend != "vllm":
-            return None
-        return dict(tensor_parallel_size=cfg.rollout.tensor_parallel_size, seed=cfg.run.seed + index,
-                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                    dtype="bfloat16" if cfg.learner.bf16 else "auto")
-
-    def open_weight_broadcast(self) -> None:
-        """trainer.weight_sync=broadcast: learner rank 0 (rank 0) and every rollout receiver
-        (a worker, or each tensor-parallel worker of a vLLM engine) form one process group:
-        NCCL when the rollout engines are vLLM on GPUs, else gloo."""
-        backend = "nccl" if self.cfg.rollout.backend == "vllm" else "gloo"
-        timeout = self.cfg.trainer.sync_timeout_s
-        addr, port = ray.get(self.learners[0].broadcast_endpoint.remote())
-        sizes = ray.get([w.weight_sync_ranks.remote() for w in self.workers])
-        world, first = 1 + sum(sizes), np.cumsum([1] + sizes[:-1])
-        joins = [self.learners[0].open_weight_broadcast.remote(addr, port, world, backend, timeout)]
-        joins += [w.open_weight_broadcast.remote(addr, port, int(f), world, backend, timeout)
-                  for w, f in zip(self.workers, first)]
-        ready, pending = ray.wait(joins, num_returns=len(joins), timeout=timeout)
-        if pending:
-            raise WeightSyncTimeout(f"the weight-broadcast group ({backend}, {world} members) did not form within "
-                                    f"{timeout:.0f} s ({len(pending)} members did not join)")
-        ray.get(ready)
-        self.weight_manifest = self._from_learners([l.weight_manifest.remote() for l in self.learners])[0]
-
     def _sync_by_broadcast(self, version: int) -> None:
         """Learner rank 0 -> every rollout receiver over the broadcast group, tagged `version`."""
         sends = [l.broadcast_weights.remote(version) for l in self.learners]  # all ranks: ZeRO-3 gathers
-        timeout = self.cfg.trainer.sync_timeout_s
         acks = [w.receive_weights.remote(version, self.weight_manifest) for w in self.workers]
-        ready, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
-        if pending:
-            raise WeightSyncTimeout(
-                f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
-                f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
-        ray.get(ready)
+        ray.get(acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
         self._from_learners(sends)
         self.ctx.policy_version = version
         if self.attached is not None and self.attached.specs():  # attached evaluators take weights by reference
@@ -419,14 +354,8 @@ class Controller:
             ray.get(self.buffer.set_policy_version.remote(version))
             return
         refs = [l.weights.remote() for l in self.learners]  # all ranks: ZeRO-3 gathers collectively
-        timeout = self.cfg.trainer.sync_timeout_s
         acks = [w.load_weights.remote(version, refs[0]) for w in self.workers]
-        ready, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
-        if pending:
-            raise WeightSyncTimeout(
-                f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
-                f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
-        self._from_learners(refs[1:] + ready)
+        self._from_learners(refs[1:] + acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
         self.ctx.policy_version, self.ctx.weights_ref = version, refs[0]
         ray.get(self.buffer.set_policy_version.remote(version))
 

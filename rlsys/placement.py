@@ -1,0 +1,87 @@
+"""Where the controller's actors go on a cluster with GPUs, and the weight-broadcast group
+(`trainer.weight_sync: broadcast`): the parts of the controller that only GPU runs need.
+
+On a CPU cluster every rollout worker takes half a CPU and the learner ranks no GPU; with
+`rollout.backend: vllm` each engine gets a placement-group bundle of
+`rollout.tensor_parallel_size` GPUs and each learner rank one GPU beside them (no colocation).
+"""
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from rlsys.config import JobConfig
+from rlsys.errors import RunFailed, WeightSyncTimeout
+
+
+def rollout_actor_options(cfg: JobConfig) -> list[dict]:
+    """Ray options of each rollout worker: half a CPU (hf), or a bundle of a placement
+    group holding its vLLM engine's tensor_parallel_size GPUs (vllm)."""
+    r = cfg.rollout
+    if r.backend != "vllm":
+        return [dict(num_cpus=0.5)] * r.num_workers
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from actors.vllm_backend import rollout_placement
+
+    gpus, needed = ray.cluster_resources().get("GPU", 0), r.num_workers * r.tensor_parallel_size
+    if gpus < needed:
+        raise RunFailed(f"rollout.backend=vllm needs {needed} GPU(s) ({r.num_workers} engine(s) x "
+                        f"rollout.tensor_parallel_size {r.tensor_parallel_size}); the cluster has {gpus:.0f}")
+    bundles, strategy = rollout_placement(r.num_workers, r.tensor_parallel_size)
+    group = placement_group(bundles, strategy=strategy)
+    timeout = cfg.trainer.sync_timeout_s
+    if not group.wait(timeout_seconds=timeout):
+        raise RunFailed(f"the cluster cannot place {r.num_workers} vLLM engines of {r.tensor_parallel_size} GPU(s) "
+                        f"each within {timeout:.0f} s (resources: {ray.cluster_resources().get('GPU', 0):.0f} GPUs)")
+    return [dict(num_cpus=b["CPU"], num_gpus=b["GPU"], scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=i)) for i, b in enumerate(bundles)]
+
+
+def learner_gpus(cfg: JobConfig) -> int:
+    """1 GPU per learner rank on a cluster with GPUs (beside the vLLM engines'), else 0 (CPU)."""
+    r, gpus = cfg.rollout, ray.cluster_resources().get("GPU", 0)
+    rollout_gpus = r.num_workers * r.tensor_parallel_size if r.backend == "vllm" else 0
+    if gpus and gpus < cfg.learner.num_ranks + rollout_gpus:
+        raise RunFailed(f"the cluster has {gpus:.0f} GPU(s); {cfg.learner.num_ranks} learner rank(s) and "
+                        f"{rollout_gpus} vLLM GPU(s) need one each (no colocation)")
+    return 1 if gpus else 0
+
+
+def vllm_options(cfg: JobConfig, index: int) -> dict | None:
+    """The vLLM engine arguments of rollout worker `index` (None for other backends)."""
+    if cfg.rollout.backend != "vllm":
+        return None
+    return dict(tensor_parallel_size=cfg.rollout.tensor_parallel_size, seed=cfg.run.seed + index,
+                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                dtype="bfloat16" if cfg.learner.bf16 else "auto")
+
+
+def open_weight_broadcast(cfg: JobConfig, learners: list, workers: list) -> None:
+    """Learner rank 0 (rank 0 of the group) and every rollout receiver (a worker, or each
+    tensor-parallel worker of a vLLM engine) form one process group: NCCL when the rollout
+    engines are vLLM on GPUs, else gloo."""
+    backend = "nccl" if cfg.rollout.backend == "vllm" else "gloo"
+    timeout = cfg.trainer.sync_timeout_s
+    addr, port = ray.get(learners[0].broadcast_endpoint.remote())
+    sizes = ray.get([w.weight_sync_ranks.remote() for w in workers])
+    world, first = 1 + sum(sizes), np.cumsum([1] + sizes[:-1])
+    joins = [learners[0].open_weight_broadcast.remote(addr, port, world, backend, timeout)]
+    joins += [w.open_weight_broadcast.remote(addr, port, int(f), world, backend, timeout) for w, f in zip(workers, first)]
+    ready, pending = ray.wait(joins, num_returns=len(joins), timeout=timeout)
+    if pending:
+        raise WeightSyncTimeout(f"the weight-broadcast group ({backend}, {world} members) did not form within "
+                                f"{timeout:.0f} s ({len(pending)} members did not join)")
+    ray.get(ready)
+
+
+def acknowledged(acks: list, version: int, timeout: float) -> list:
+    """The rollout workers' acknowledgements of a weight sync, or WeightSyncTimeout naming
+    how many did not answer within `timeout` (a sync never hangs)."""
+    ready, pending = ray.wait(acks, num_returns=len(acks), timeout=timeout)
+    if pending:
+        raise WeightSyncTimeout(
+            f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
+            f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
+    return ready
