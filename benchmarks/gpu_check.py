@@ -31,16 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of `fn()` over `reps` runs after one warm-up run."""
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+from benchmarks.perf import timed, train_batch  # noqa: E402  (the same timing and batch as perf.py)
 
 
 def tokens_per_s(backend, requests, reps: int) -> float:
@@ -136,16 +127,6 @@ class Check:
         return gpu
 
     # ---- 2. learner on CUDA ----------------------------------------------------------------
-    def train_batch(self, gens):
-        import numpy as np
-
-        from rlsys.experience import make_experience, new_uid
-
-        rng = np.random.default_rng(0)
-        rows = [dict(uid=new_uid(), group=str(i // 4), prompt_ids=g.prompt_ids, response_ids=g.response_ids,
-                     logprobs=g.logprobs, reward=float(rng.integers(0, 2)), policy_version=0, meta={})
-                for i, g in enumerate(gens)]
-        return self.controller.algorithm.prepare(make_experience(rows))
 
     def learner(self, gens):
         import numpy as np
@@ -154,7 +135,7 @@ class Check:
         from rlsys.controller import free_port
 
         l = self.cfg.learner
-        batch = self.train_batch(gens)
+        batch = train_batch(self.controller.algorithm, gens)
         make = lambda stage, bf16: Learner(self.policy_dir, self.controller.algorithm, lr=l.lr, grad_clip=l.grad_clip,
                                            zero_stage=stage, bf16=bf16, threads=4, master_port=free_port())
         fast = make(2, self.cuda)  # bf16 + ZeRO-2 on CUDA (fp32 on the --cpu plumbing run)

@@ -45,6 +45,19 @@ def timed(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+def train_batch(algorithm, gens):
+    """The algorithm's TrainBatch of generations in groups of 4 with seeded random 0/1 rewards."""
+    import numpy as np
+
+    from rlsys.experience import make_experience, new_uid
+
+    rng = np.random.default_rng(0)
+    rows = [dict(uid=new_uid(), group=str(i // 4), prompt_ids=g.prompt_ids, response_ids=g.response_ids,
+                 logprobs=g.logprobs, reward=float(rng.integers(0, 2)), policy_version=0, meta={})
+            for i, g in enumerate(gens)]
+    return algorithm.prepare(make_experience(rows))
+
+
 def paired(a, b, reps: int) -> tuple[float, float]:
     """Medians of two callables timed in alternation (drift on a shared machine hits both)."""
     a(), b()
@@ -119,15 +132,7 @@ class Bench:
 
     # ---- 2. learner -------------------------------------------------------------------
     def train_batch(self, gens):
-        import numpy as np
-
-        from rlsys.experience import make_experience, new_uid
-
-        rng = np.random.default_rng(0)
-        rows = [dict(uid=new_uid(), group=str(i // 4), prompt_ids=g.prompt_ids, response_ids=g.response_ids,
-                     logprobs=g.logprobs, reward=float(rng.integers(0, 2)), policy_version=0, meta={})
-                for i, g in enumerate(gens)]
-        return self.controller.algorithm.prepare(make_experience(rows))
+        return train_batch(self.controller.algorithm, gens)
 
     def learner(self, gens):
         import torch
