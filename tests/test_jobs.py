@@ -68,6 +68,20 @@ def test_submit_follow_and_stop(head_node, tmp_path):
               "--address", address).splitlines()[-1]
     second = cli(env, "submit", "configs/quickstart.yaml", *TINY, "run.name=job_b", "trainer.steps=1000",
                  f"run.output_dir={tmp_path}", "--address", address).splitlines()[-1]
+    # an evaluator attached by job id (the run dir comes from the job's metadata) reports on the live job
+    deadline = time.time() + 300
+    while not (tmp_path / "job_b" / "cluster.json").exists():
+        assert time.time() < deadline and cli(env, "status", second, "--address", address) in ("PENDING", "RUNNING")
+        time.sleep(1)
+    assert "attached evaluator by_id" in cli(env, "eval", "attach", second, "--address", address, "--name", "by_id",
+                                             "--limit", "4")
+    assert "by_id" in cli(env, "eval", "list", second, "--address", address)
+    evals = tmp_path / "job_b" / "evals.jsonl"
+    while not (evals.exists() and any(json.loads(l)["evaluator"] == "by_id" for l in evals.read_text().splitlines())):
+        assert time.time() < deadline, "no row from the evaluator attached by job id"
+        time.sleep(1)
+    row = next(json.loads(l) for l in evals.read_text().splitlines() if json.loads(l)["evaluator"] == "by_id")
+    assert row["n"] == 4 and row["policy_version"] == row["step"] >= 1
     assert cli(env, "stop", second, "--address", address) == "stopped"
     deadline = time.time() + 600
     while (state := cli(env, "status", job, "--address", address)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
