@@ -96,7 +96,6 @@ class Learner:
         torch.manual_seed(seed)
         quiet_transformers()
         import deepspeed
-        from rlsys.models import load_model
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         device, dist_backend = learner_device()
@@ -111,17 +110,34 @@ class Learner:
         self.epochs, self.minibatches = epochs, minibatches
         self.temperature = temperature
         self.zero_stage = zero_stage
-        policy = load_model(model_dir)
-        module = PolicyWithValueHead(policy) if algorithm.needs_value_head else PolicyOnly(policy)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
-            lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps, schedule=lr_schedule,
-            min_ratio=min_lr_ratio))  # stepped by the engine, saved in its checkpoints
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(zero_stage, grad_clip, bf16)
-        )
+        self._engine_args = dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16, schedule=partial(
+            lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps, schedule=lr_schedule, min_ratio=min_lr_ratio))
+        self.engine, self.optimizer = self._build_engine(model_dir)
         self.weight_broadcast = None  # rank 0's BroadcastGroup under trainer.weight_sync=broadcast
         self.steps = 0
+
+    def _build_engine(self, model_dir: str):
+        """A DeepSpeed engine over the policy in `model_dir` (plus a value head when the
+        algorithm needs one) with a fresh AdamW and lr schedule."""
+        import deepspeed
+        from rlsys.models import load_model
+
+        a = self._engine_args
+        policy = load_model(model_dir)
+        module = PolicyWithValueHead(policy) if self.algorithm.needs_value_head else PolicyOnly(policy)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=a["lr"], weight_decay=a["weight_decay"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, a["schedule"])  # stepped by the engine, checkpointed
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"]))
+        return engine, optimizer
+
+    def restart(self, model_dir: str) -> int:
+        """Start over from the policy in `model_dir`: its weights, a fresh optimizer and lr
+        schedule (ReST retrains from the initial model each round). Collective: every rank."""
+        self.engine, self.optimizer = None, None  # free the old engine before building the new one
+        self.engine, self.optimizer = self._build_engine(model_dir)
+        return self.rank
 
     @property
     def module(self):

@@ -18,8 +18,9 @@ flip rates estimated by `finals` repeated final answers per critique. Two modes 
   repeated play and the samples above the thresholds kept (`rest_keep`) in a pool that
   accumulates across rounds up to `max_pool_per_role` per role; then `sft_steps` steps of
   supervised fine-tuning (`sft_loss`) on batches drawn from the pool; then the next round.
-  The paper retrains from the initial model each round; here each round fine-tunes the
-  current policy (the learner actor has no reset, and an algorithm must not need an actor change).
+  As in the paper, each round's fine-tuning starts from the initial model (`restarts_policy`
+  tells the controller to restart the learner from it, fresh optimizer included);
+  `restart_each_round: false` fine-tunes the current policy instead.
 
 A stored transcript is one row per role turn: the prover's row holds z + critique + z' with
 loss_mask 1 on z and z' only; a critic's row holds its own critique after its context. A kept
@@ -76,6 +77,7 @@ class CDGConfig(AlgorithmConfig):
     helpful_threshold: float = Field(0.75, ge=0, le=1, description="keep a helpful critique whose flip rate is above this")
     misleading_threshold: float = Field(0.5, ge=0, le=1, description="keep a misleading critique whose flip rate is above this")
     max_pool_per_role: int = Field(10_000, ge=1, description="kept samples accumulated per role across rounds")
+    restart_each_round: bool = Field(True, description="each round's fine-tuning starts from the initial model (the paper)")
 
 
 # ---- the method, as pure functions ---------------------------------------------------------
@@ -207,7 +209,8 @@ class CDG:
         rows = [dict(uid=new_uid(), group=s["group"], prompt_ids=s["prompt_ids"], response_ids=s["response_ids"],
                      logprobs=[0.0] * len(s["response_ids"]), loss_mask=s["loss_mask"], reward=s["rate"],
                      policy_version=ctx.policy_version,
-                     meta={"role": s["role"], "phase": "sft", "rate": s["rate"], "round": self.round})
+                     meta={"role": s["role"], "phase": "sft", "rate": s["rate"], "round": self.round,
+                           "phase_step": self.phase_step})
                 for s in (samples[i] for i in sorted(pick))]
         return make_experience(rows)
 
@@ -220,6 +223,11 @@ class CDG:
             self.phase, self.phase_step = "sft", 0
         elif self.phase == "sft" and self.phase_step >= self.config.sft_steps:
             self.round, self.phase, self.phase_step = self.round + 1, "play", 0
+
+    def restarts_policy(self, table: pa.Table) -> bool:
+        """True for the first fine-tuning step of a ReST round: the learner starts it from the initial model."""
+        meta = json.loads(table.column("meta")[0].as_py())
+        return self.config.restart_each_round and meta["phase"] == "sft" and meta["phase_step"] == 0
 
     def prepare(self, table: pa.Table) -> TrainBatch | None:
         """None for a ReST play step (games only gather samples; the weights stay as they are)."""

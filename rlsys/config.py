@@ -57,6 +57,8 @@ class TaskConfig(Section):
 
 class SFTConfig(Section):
     steps: int = Field(150, ge=0)
+    examples: Optional[int] = Field(None, ge=1, description="labelled train rows the warm-up may use (the first N); "
+                                    "RL still draws prompts from every train row. None: all")
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
 

@@ -198,7 +198,7 @@ class Controller:
         if cfg.sft.steps:
             bar = _bar(cfg.sft.steps, "warm-up", self.progress)
             warm = getattr(self.algorithm, "warmup_task", lambda task, tok: task)(self.task, tokenizer)  # CDG: + game format
-            warmup(model, tokenizer, warm, warm.rows("train"), cfg.sft.steps, cfg.sft.batch_size,
+            warmup(model, tokenizer, warm, warm.rows("train")[: cfg.sft.examples], cfg.sft.steps, cfg.sft.batch_size,
                    cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update())
             bar.close()
         save_model_dir(model, tokenizer, init_dir)
@@ -213,6 +213,7 @@ class Controller:
         from rlsys.reward_source import start_reward_actor
 
         cfg = self.cfg
+        self.policy_dir = Path(policy_dir)  # the initial policy (a learner restart goes back to it)
         r, l = cfg.rollout, cfg.learner
         teacher_dir = getattr(self.algorithm, "teacher_dir", None)  # DA-KD: trained or checked before any actor
         teacher_dir = teacher_dir and teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)
@@ -288,6 +289,9 @@ class Controller:
                 extra.update(ray.get(self.reward.take_metrics.remote()))
         rank_metrics = [{}]  # prepare -> None: a step that only gathers experience (CDG's ReST play), no update
         if batch is not None:
+            if getattr(self.algorithm, "restarts_policy", lambda t: False)(table):  # ReST: a round retrains from the start
+                with ctx.timed("restart"):
+                    self._from_learners([l.restart.remote(str(self.policy_dir)) for l in self.learners])
             with ctx.timed("train"):
                 rank_metrics = self._from_learners([l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))])
             with ctx.timed("sync"):

@@ -210,6 +210,11 @@ def test_revision_warmup_rows_tokenize_to_the_games_revision_context(tokenizer, 
 
 
 # ---- algorithm: phases, batches, losses, state -------------------------------------------------
+class SeededContext:  # only the two attributes sft_table reads
+    policy_version = 7
+    next_seed = staticmethod(lambda: 1)
+
+
 def test_rest_phases_and_state_round_trip(tokenizer, templates):
     algo = CDG(CDGConfig(mode="rest", play_steps=2, sft_steps=3))
     assert (algo.round, algo.phase) == (0, "play")
@@ -220,7 +225,11 @@ def test_rest_phases_and_state_round_trip(tokenizer, templates):
     add_to_pool(algo.pool, [sft_sample(r) for r in game_rows(games, templates, 0.5, 0, "play")[:5]], 100)
     algo.advance()
     assert (algo.round, algo.phase, algo.phase_step) == (0, "sft", 0)
+    first = algo.sft_table(SeededContext())
     algo.advance()
+    second = algo.sft_table(SeededContext())
+    assert algo.restarts_policy(first) and not algo.restarts_policy(second)  # only a round's first SFT step restarts
+    assert not CDG(CDGConfig(mode="rest", restart_each_round=False)).restarts_policy(first)
     state = json.loads(json.dumps(algo.state()))  # checkpoints store it as json
     other = CDG(CDGConfig(mode="rest", play_steps=2, sft_steps=3))
     other.load_state(state)
@@ -243,13 +252,9 @@ def test_prepare_and_loss_follow_the_phase(tokenizer, templates):
 
     algo.pool["prover"] = [sft_sample(r) for r in game_rows(games, templates, 0.5, 0, "play") if r["meta"]["role"] == "prover"]
 
-    class Ctx:  # only the two attributes sft_table reads
-        policy_version = 7
-        next_seed = staticmethod(lambda: 1)
-
-    sft = algo.sft_table(Ctx())
+    sft = algo.sft_table(SeededContext())
     assert table_phase(sft) == "sft" and sft.num_rows == min(64, len(algo.pool["prover"]))
-    assert set(sft.column("policy_version").to_pylist()) == {7}
+    assert set(sft.column("policy_version").to_pylist()) == {SeededContext.policy_version}
     assert algo.prepare_metrics(sft)["cdg/sft_prover"] == sft.num_rows
     batch = algo.prepare(sft)
     logprobs = torch.log(torch.rand(batch.response_mask.shape) * 0.9 + 0.05)
@@ -326,3 +331,15 @@ def test_two_steps_on_a_local_cluster(ray_cluster, tmp_path, mode):
     state = json.loads((tmp_path / mode / "checkpoints" / "step_2" / "state.json").read_text())["algorithm"]
     assert (state["mode"], state["round"], state["phase"]) == ("rest", 1, "play")
     assert sum(len(v) for v in state["pool"].values()) == rows[0]["cdg/pool_added"]
+    # the round's fine-tuning started from the initial model; a restart puts its weights back exactly
+    assert "time/restart" in rows[1] and "time/restart" not in rows[0]
+    import numpy as np
+    from actors.modeling import state_dict_numpy
+    from rlsys.models import load_model
+
+    initial = state_dict_numpy(load_model(tmp_path / mode / "policy_init"))
+    learner = controller.learners[0]
+    assert any(not np.array_equal(initial[k], v) for k, v in ray_cluster.get(learner.weights.remote()).items())
+    ray_cluster.get(learner.restart.remote(str(tmp_path / mode / "policy_init")))
+    restarted = ray_cluster.get(learner.weights.remote())
+    assert restarted.keys() == initial.keys() and all(np.array_equal(initial[k], v) for k, v in restarted.items())
