@@ -6,6 +6,7 @@ so on a remote cluster that path must be shared storage, or set run.output_dir).
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -15,17 +16,37 @@ from urllib.parse import urlparse
 EXCLUDES = [".venv", ".git", "runs", "**/__pycache__", "*.egg-info", ".cache", ".pytest_cache"]
 
 
-def warn_if_not_loopback(address: str) -> None:
+def is_loopback(address: str) -> bool:
     host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"rlsys: warning: {address} is not a loopback address; use Ray's token authentication "
-              f"(RAY_AUTH_MODE=token) for a cluster reachable from the network", file=sys.stderr)
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def token_auth_off_loopback(address: str) -> None:
+    """Loopback addresses are used as they are. Any other address gets a warning and Ray's
+    token authentication (RAY_AUTH_MODE=token, set before Ray reads it), with a token from
+    RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; without one it stops with a
+    one-line error (a ConfigError) instead of talking to the cluster unauthenticated."""
+    from rlsys.config import ConfigError
+
+    if is_loopback(address):
+        return
+    print(f"rlsys: warning: {address} is not a loopback address: using Ray's token authentication "
+          f"(RAY_AUTH_MODE=token)", file=sys.stderr)
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        raise ConfigError(f"job error: {address} is not a loopback address and RAY_AUTH_MODE="
+                          f"{os.environ['RAY_AUTH_MODE']}: a cluster reachable from the network needs token authentication "
+                          f"(unset RAY_AUTH_MODE or set it to token)")
+    token_path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not os.environ.get("RAY_AUTH_TOKEN") and not token_path.is_file():
+        raise ConfigError(f"job error: {address} is not a loopback address and no Ray auth token was found "
+                          f"(set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token; looked in {token_path})")
+    os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def client(address: str):
+    token_auth_off_loopback(address)  # before Ray reads RAY_AUTH_MODE
     from ray.job_submission import JobSubmissionClient
 
-    warn_if_not_loopback(address)
     return JobSubmissionClient(address)
 
 
