@@ -105,6 +105,11 @@ def test_submit_follow_and_stop(head_node, tmp_path):
               "--address", address).splitlines()[-1]
     second = cli(env, "submit", "configs/quickstart.yaml", *TINY, "run.name=job_b", "trainer.steps=1000",
                  f"run.output_dir={tmp_path}", "--address", address).splitlines()[-1]
+    # Ray's own CLI works too: the working dir honours .gitignore (no .venv or runs/ uploaded)
+    ray_cli = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address,
+                                "--working-dir", ".", "--", "rlsys", "run", "configs/quickstart.yaml", *TINY,
+                                "run.name=job_c", f"run.output_dir={tmp_path}", "--no-progress"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # an evaluator attached by job id (the run dir comes from the job's metadata) reports on the live job
     deadline = time.time() + 300
     while not (tmp_path / "job_b" / "cluster.json").exists():
@@ -132,6 +137,9 @@ def test_submit_follow_and_stop(head_node, tmp_path):
     while (s2 := cli(env, "status", second, "--address", address)) not in ("STOPPED", "FAILED", "SUCCEEDED"):
         time.sleep(1)
     assert s2 == "STOPPED"
+    out, _ = ray_cli.communicate(timeout=600)
+    assert "finished 2 steps" in out, out[-3000:]
+    assert [json.loads(l)["step"] for l in (tmp_path / "job_c" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 @pytest.mark.integration
