@@ -33,16 +33,22 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def warmup(model, tokenizer, task, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int,
-           on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """`steps` AdamW steps on random minibatches of `rows`. Returns the loss curve."""
+           on_step: Callable[[int, float], None] | None = None, demo_error: float = 0.0) -> list[float]:
+    """`steps` AdamW steps on random minibatches of `rows`. Returns the loss curve.
+    `demo_error`: each drawn row is, with this probability, the task's flawed demonstration
+    of it (`task.flawed_demonstration`), as imperfect human or model-written SFT data is."""
     rng = random.Random(seed)
+    flaw_rng = random.Random(seed + 1)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / max(steps, 1)))
     model.train()
     losses = []
     for step in range(steps):
-        batch = sft_batch(tokenizer, rng.sample(rows, min(batch_size, len(rows))), task)
+        drawn = rng.sample(rows, min(batch_size, len(rows)))
+        if demo_error:
+            drawn = [task.flawed_demonstration(r) if flaw_rng.random() < demo_error else r for r in drawn]
+        batch = sft_batch(tokenizer, drawn, task)
         _, logprobs, _ = forward_logprobs(model, batch.input_ids, batch.attention_mask)
         loss = sft_loss(logprobs, batch.response_mask)
         opt.zero_grad()

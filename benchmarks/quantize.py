@@ -1,6 +1,8 @@
 """SliM-LLM side by side: a tiny Qwen2 model trained on generated task text, then held-out
 perplexity and model bytes for FP32, round-to-nearest, GPTQ-style uniform and SliM-LLM at
-2 and 3 bits. Every quantised model goes through save -> load_quantized before it is scored.
+2 and 3 bits; then the quickstart's warmed-up arithmetic policy, scored by held-out
+exact-answer accuracy (greedy) at 2, 3 and 4 bits, where the methods separate. Every
+quantised model goes through save -> load_quantized before it is scored.
 
     .venv/bin/python benchmarks/quantize.py            # trains (~1-3 min on 2 CPU cores)
     .venv/bin/python benchmarks/quantize.py --model-dir /tmp/qbench/fp32   # reuse a trained model
@@ -121,6 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    p.add_argument("--policy-steps", type=int, default=800,
+                   help="warm-up steps of the quickstart policy for the accuracy table (0 skips it)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -174,7 +178,52 @@ def main(argv=None) -> int:
     for bits in args.bits:
         print(f"\nw{bits}: RTN / SliM-LLM perplexity = {ppl['rtn', bits] / ppl['slim', bits]:.2f}x, "
               f"GPTQ / SliM-LLM = {ppl['gptq', bits] / ppl['slim', bits]:.2f}x")
+    if args.policy_steps:
+        policy_accuracy_table(work, args)
     return 0
+
+
+def greedy_accuracy(model, tokenizer, task, rows) -> float:
+    """Held-out exact-answer accuracy of greedy answers (the RL loop's evaluation, in-process)."""
+    from actors.rollout import HFBackend
+    from rlsys.generation import GenerationRequest, SamplingParams
+
+    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    gens = HFBackend("unused", model=model.eval(), batch_size=len(rows)).generate(
+        [GenerationRequest(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"], params) for r in rows])
+    texts = tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+    return sum(task.is_correct(r, t) for r, t in zip(rows, texts)) / len(rows)
+
+
+def policy_accuracy_table(work: Path, args) -> None:
+    """The quickstart's model warmed up on clean demonstrations (`--policy-steps` SFT steps),
+    quantised by each method at 2/3/4 bits, scored on the 200 held-out problems."""
+    from rlsys.config import load_config
+    from rlsys.controller import Controller
+
+    cfg = load_config("configs/quickstart.yaml", ["sft.demo_error=0", f"sft.steps={args.policy_steps}",
+                                                  f"run.output_dir={work}", "run.name=policy"])
+    t0 = time.time()
+    controller = Controller(cfg, work / "policy", progress=False)
+    policy_dir = controller.prepare_policy()
+    task, tok, model = controller.task, load_tokenizer(policy_dir), load_model(policy_dir).eval()
+    rows = task.rows("eval")
+    text = "\n".join(r["prompt"] + r["answer"] for r in task.rows("train"))
+    calib = calibration_from_text(tok, text, args.calib_samples, args.seqlen, seed=args.seed)
+    print(f"\nquickstart policy ({args.policy_steps} warm-up steps, {time.time() - t0:.0f}s): held-out greedy accuracy, "
+          f"{len(rows)} problems; group {args.group}\n")
+    print("| bits | FP32 | round-to-nearest | GPTQ uniform | SliM-LLM |")
+    print("|---|---|---|---|---|")
+    fp = greedy_accuracy(model, tok, task, rows)
+    for bits in (2, 3, 4):
+        cells = []
+        for method in ("rtn", "gptq", "slim"):
+            cfg_q = QuantConfig(bits=bits, group_size=args.group, method=method, seed=args.seed)
+            qmodel = copy.deepcopy(model)
+            out = save_quantized(qmodel, quantize_model(qmodel, calib, cfg_q), cfg_q, work / f"policy-{method}-w{bits}")
+            cells.append(f"{greedy_accuracy(load_quantized(out), tok, task, rows):.3f}")
+        print(f"| {bits} | {fp:.3f} | {' | '.join(cells)} |", flush=True)
 
 
 if __name__ == "__main__":

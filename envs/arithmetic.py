@@ -32,6 +32,25 @@ def generate_problems(n_train: int, n_eval: int, lo: int, hi: int, ops: Sequence
     return problems[n_eval:], problems[:n_eval]
 
 
+def carry_dropped_answer(prompt: str) -> str | None:
+    """What a demonstrator who forgets every carry writes for an addition: the digit-wise sums
+    mod 10 ("37+58=" -> "85", right: 95). None for any other operation."""
+    left, op, right = _parse(prompt)
+    if op != "+" or left < 0 or right < 0:
+        return None
+    width = max(len(str(left)), len(str(right)))
+    digits = [(int(x) + int(y)) % 10 for x, y in zip(str(left).zfill(width), str(right).zfill(width))]
+    return str(int("".join(map(str, digits))))
+
+
+def _parse(prompt: str) -> tuple[int, str, int]:
+    body = prompt.rstrip("=")
+    for i in range(1, len(body)):  # the operator is the first op symbol after the first character
+        if body[i] in _OPS:
+            return int(body[:i]), body[i], int(body[i + 1:])
+    raise ValueError(f"not an arithmetic prompt: {prompt!r}")
+
+
 ANSWER_MARKER = "#"  # ends a rationale: "<rationale>#<answer>" (BRiTE, algorithms/brite.py)
 
 
@@ -65,6 +84,12 @@ class ArithmeticTask:
 
     def reward(self, row: dict, response_text: str) -> float:
         return 1.0 if self.is_correct(row, response_text) else 0.0
+
+    def flawed_demonstration(self, row: dict) -> dict:
+        """The row as a sloppy demonstrator writes it (`sft.demo_error`): additions with every
+        carry dropped; other rows as they are."""
+        flawed = carry_dropped_answer(row["prompt"])
+        return row if flawed is None else {**row, "answer": flawed}
 
     def corpus(self) -> list[str]:
         """Text the tokenizer is trained on."""

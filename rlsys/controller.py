@@ -20,7 +20,7 @@ import ray
 
 from algorithms.base import Prompt, build_algorithm
 from envs.rewards import build_shaping
-from rlsys.config import JobConfig, dump_config
+from rlsys.config import ConfigError, JobConfig, dump_config
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
 from rlsys.generation import GenerationRequest, SamplingParams
 from rlsys.placement import acknowledged, learner_gpus, open_weight_broadcast, rollout_actor_options, vllm_options
@@ -198,8 +198,12 @@ class Controller:
         if cfg.sft.steps:
             bar = _bar(cfg.sft.steps, "warm-up", self.progress)
             warm = getattr(self.algorithm, "warmup_task", lambda task, tok: task)(self.task, tokenizer)  # CDG: + game format
+            if cfg.sft.demo_error and not hasattr(warm, "flawed_demonstration"):
+                raise ConfigError(f"config error: 'sft.demo_error'={cfg.sft.demo_error}: task '{cfg.task.name}' has no "
+                                  f"flawed demonstrations (allowed: 0)")
             warmup(model, tokenizer, warm, warm.rows("train")[: cfg.sft.examples], cfg.sft.steps, cfg.sft.batch_size,
-                   cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update())
+                   cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update(),
+                   demo_error=cfg.sft.demo_error)
             bar.close()
         save_model_dir(model, tokenizer, init_dir)
         self.tokenizer = tokenizer
