@@ -253,7 +253,7 @@ class Bench:
 
         run_dir = self.controller.run_dir.parent / "e2e"
         cfg = load_config(QUICKSTART, [
-            f"run.output_dir={run_dir.parent}", "run.name=e2e", f"sft.steps={sft_steps}", "algorithm.kl_coef=0",
+            f"run.output_dir={run_dir.parent}", "run.name=e2e", f"sft.steps={sft_steps}", "sft.demo_error=0", "algorithm.kl_coef=0",
             f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}"])
         c = Controller(cfg, run_dir, progress=False)
         policy_dir = c.prepare_policy()

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the quickstart task, model and warm-up (800 SFT steps at lr 1e-3: ~0.86 greedy, ~0.67 sampled at T=1);
 # DPO at lr 1e-4: the configs' 5e-4 drove both samplers to 0 accuracy within 640 pairs here
-DEFAULTS = ["sft.steps=800", "sft.lr=0.001", "learner.lr=1e-4", "task.num_eval=200", "trainer.prompts_per_step=32",
+DEFAULTS = ["sft.steps=800", "sft.lr=0.001", "sft.demo_error=0", "learner.lr=1e-4", "task.num_eval=200", "trainer.prompts_per_step=32",
             "trainer.eval_every=0"]
 
 
