@@ -57,8 +57,6 @@ class TaskConfig(Section):
 
 class SFTConfig(Section):
     steps: int = Field(150, ge=0)
-    examples: Optional[int] = Field(None, ge=1, description="labelled train rows the warm-up may use (the first N); "
-                                    "RL still draws prompts from every train row. None: all")
     demo_error: float = Field(0.0, ge=0, le=1, description="probability that a warm-up demonstration is the task's "
                               "flawed one (arithmetic: carries dropped), like imperfect SFT data")
     batch_size: int = Field(32, ge=1)

@@ -201,7 +201,7 @@ class Controller:
             if cfg.sft.demo_error and not hasattr(warm, "flawed_demonstration"):
                 raise ConfigError(f"config error: 'sft.demo_error'={cfg.sft.demo_error}: task '{cfg.task.name}' has no "
                                   f"flawed demonstrations (allowed: 0)")
-            warmup(model, tokenizer, warm, warm.rows("train")[: cfg.sft.examples], cfg.sft.steps, cfg.sft.batch_size,
+            warmup(model, tokenizer, warm, warm.rows("train"), cfg.sft.steps, cfg.sft.batch_size,
                    cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update(),
                    demo_error=cfg.sft.demo_error)
             bar.close()
