@@ -18,8 +18,10 @@ unparsable pair is worth 1/2 to both sides), so a two-row group gets (1, 0), (0,
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -60,6 +62,17 @@ def pointwise_prompt(instruction: str, plan: str, response: str, min_score: int,
 
 
 # ---- parsing ---------------------------------------------------------------------------------
+def fit_to_context(ids: list[int], budget: int) -> list[int]:
+    """A prompt's token ids cut to `budget` by dropping its middle (the responses): the head
+    keeps the instruction and plan, the tail the closing instructions the verdict follows."""
+    if budget < 2:
+        raise ValueError(f"a judge context budget of {budget} tokens leaves no room for a prompt")
+    if len(ids) <= budget:
+        return ids
+    head = budget // 2
+    return ids[:head] + ids[len(ids) - (budget - head):]
+
+
 def final_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
@@ -196,7 +209,9 @@ class JudgeWorker:
         self.backend = make_backend(backend, judge_dir, batch_size)
         self.tokenizer = load_tokenizer(judge_dir)
         self.policy_tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else self.tokenizer
-        self.calls = 0
+        config = json.loads((Path(judge_dir) / "config.json").read_text())
+        self.context_length = config.get("max_position_embeddings")  # prompts are cut to fit (fit_to_context)
+        self.calls = self.truncated = 0
         self._pairs: list[PairJudgement] = []
         self._points: list[PointJudgement] = []
 
@@ -210,7 +225,12 @@ class JudgeWorker:
         self.calls += 1
         params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=o.temperature,
                                 seed=o.seed + self.calls, stop_token_ids=(self.tokenizer.eos_token_id,))
-        requests = [GenerationRequest(self.tokenizer(t, add_special_tokens=False)["input_ids"], params) for t in texts]
+        prompts = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        if self.context_length:
+            budget = self.context_length - max_new_tokens
+            self.truncated += sum(len(p) > budget for p in prompts)
+            prompts = [fit_to_context(p, budget) for p in prompts]
+        requests = [GenerationRequest(p, params) for p in prompts]
         gens = sorted(self.backend.generate(requests), key=lambda g: g.request_index)
         return self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
 
@@ -280,5 +300,7 @@ class JudgeWorker:
     def take_metrics(self) -> dict[str, float]:
         """judge/* rates over the judgements since the last call (the controller logs them per step)."""
         out = judgement_metrics(self._pairs, self._points)
-        self._pairs, self._points = [], []
+        if out or self.truncated:
+            out["judge/truncated_prompts"] = float(self.truncated)
+        self._pairs, self._points, self.truncated = [], [], 0
         return out

@@ -9,6 +9,7 @@ from actors.judge import (
     UNPARSABLE,
     JudgeWorker,
     combine_orders,
+    fit_to_context,
     judgement_metrics,
     pairwise_prompt,
     parse_score,
@@ -191,6 +192,25 @@ def test_random_tiny_judge_verdicts_are_reported_unparsable(judge_dirs):
     assert judge.score(table) == [-1.0, -1.0]
     with pytest.raises(ValueError, match="one response .* or two"):
         judge.judge("q", ["a", "b", "c"])
+
+
+def test_fit_to_context_drops_the_middle():
+    ids = list(range(10))
+    assert fit_to_context(ids, 10) == ids and fit_to_context(ids, 4) == [0, 1, 8, 9]
+    assert fit_to_context(ids, 5) == [0, 1, 7, 8, 9]
+    with pytest.raises(ValueError, match="no room"):
+        fit_to_context(ids, 1)
+
+
+def test_a_prompt_longer_than_the_judges_context_is_cut_and_counted(judge_dirs):
+    random_dir, _ = judge_dirs
+    judge = JudgeWorker(str(random_dir), options={"max_plan_tokens": 8, "max_execution_tokens": 12})
+    assert judge.context_length == 512
+    long_response = "12+30=42 " * 200  # well over 512 tokens
+    verdict = judge.judge("12+30=", [long_response, "42"])
+    assert verdict.verdict in ("A", "B", "tie", UNPARSABLE)
+    m = judge.take_metrics()
+    assert m["judge/truncated_prompts"] == 2  # both orders of the pair; the plan prompt fit
 
 
 def test_scripted_tiny_judge_parsable_verdicts_are_combined_right(judge_dirs):
