@@ -38,6 +38,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: 
     temp.mkdir(parents=True, exist_ok=True)
     for k, v in ray_env_for_local(temp).items():
         os.environ.setdefault(k, v)
+    if os.environ["RAY_AUTH_MODE"].lower() != "token":  # Ray 2.60 listens on every interface, loopback or not
+        print(f"rlsys: warning: RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']}: the embedded Ray cluster's servers listen "
+              f"on all interfaces without authentication", file=sys.stderr)
     import ray
 
     cpus = max(num_cpus or os.cpu_count() or 1, 2)
