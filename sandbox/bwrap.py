@@ -1,13 +1,19 @@
 """The local backend: bubblewrap, all namespaces unshared, on the sandbox root
-filesystem mounted read-only, as uid 65534, with rlimits and a cgroup per job."""
+filesystem mounted read-only, as uid 65534, with rlimits and a cgroup per job.
+
+No in-sandbox bootstrap: bwrap copies the job's files into a fresh /work tmpfs from
+memfds (`--file FD`, closed before the job starts), stdin is a memfd, the rlimits are set
+by the shell that execs bwrap, and the pid namespace takes every leftover process down
+with the job. One interpreter start per run instead of two."""
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
 import time
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from . import base
 from .cgroups import JobCgroup, sweep_stale
@@ -15,9 +21,21 @@ from .procio import collect
 from .types import ExecResult, Limits
 
 NOBODY = 65534
-# Run as root: put this shell in the job's cgroups, then drop to nobody before bwrap, so
-# that every process of the job is inside the cgroup from its first instruction.
-JOIN_AND_DROP = 'for p in $RLSYS_CGROUP_PROCS; do echo $$ > "$p" || exit 125; done; exec "$@"'
+# Put this shell in the job's cgroups (as root), set the job's rlimits, then exec (setpriv
+# to nobody, then) bwrap: every process of the job is inside the cgroup and under the limits
+# from its first instruction. dash's `ulimit -f` counts 512-byte blocks.
+JOIN_LIMIT_EXEC = ('fail() {{ echo "rlsys-bootstrap: $1" >&2; exit 125; }}; '
+                   'for p in $RLSYS_CGROUP_PROCS; do echo $$ > "$p" || fail "cannot join cgroup $p"; done; '
+                   'ulimit -S -t {cpu} && ulimit -H -t {cpu_hard} && ulimit -f {fsize_blocks} && ulimit -n {nofile} '
+                   '&& ulimit -c 0 || fail "cannot set the rlimits"; exec "$@"')
+
+
+def memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding `data`, read from its start."""
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 @base.register("bwrap")
@@ -41,7 +59,8 @@ class BwrapBackend(base.BaseBackend):
         if cgroups and self.root:
             sweep_stale()  # what a worker killed mid-run left behind
 
-    def command(self, job: dict, limits: Limits) -> list[str]:
+    def command(self, job: dict, limits: Limits, file_fds: dict[str, int]) -> list[str]:
+        """bwrap around the job's argv; `file_fds`: work-dir name -> memfd holding the file."""
         tmpfs = str(limits.tmpfs_mb << 20)
         cmd = [
             self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
@@ -50,8 +69,13 @@ class BwrapBackend(base.BaseBackend):
         for k, v in base.ENV.items():
             cmd += ["--setenv", k, v]
         cmd += ["--ro-bind", self.rootfs, "/", "--dev", "/dev", "--proc", "/proc",
-                "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/work",
-                "--chdir", "/work", "--cap-drop", "ALL", "--", *base.bootstrap_argv(job)]
+                "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/work"]
+        dirs = sorted({str(p) for name in file_fds for p in PurePosixPath(name).parents if str(p) != "."})
+        for d in dirs:
+            cmd += ["--dir", f"/work/{d}"]
+        for name, fd in file_fds.items():
+            cmd += ["--file", str(fd), f"/work/{name}"]
+        cmd += ["--chdir", "/work", "--cap-drop", "ALL", "--", *job["argv"]]
         if self.root:  # bwrap as root with --uid still reads root's files: drop first
             cmd = [self.setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
         return cmd
@@ -60,10 +84,19 @@ class BwrapBackend(base.BaseBackend):
         cg = JobCgroup.create(f"job-{uuid.uuid4().hex[:12]}", limits) if self.cgroups and self.root else None
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                "RLSYS_CGROUP_PROCS": " ".join(map(str, cg.procs)) if cg else ""}
+        lim = job["limits"]
+        script = JOIN_LIMIT_EXEC.format(cpu=lim["cpu_s"], cpu_hard=lim["cpu_s"] + 1,  # SIGXCPU, then SIGKILL
+                                        fsize_blocks=max(1, lim["fsize"] // 512), nofile=lim["nofile"])
+        file_fds = {name: memfd(name, base64.b64decode(data)) for name, data in job["files"].items()}
+        stdin = memfd("stdin", base64.b64decode(job["stdin"]))
         start = time.monotonic()
-        proc = subprocess.Popen(["/bin/sh", "-c", JOIN_AND_DROP, "sh", *self.command(job, limits)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, start_new_session=True, close_fds=True)
+        try:
+            proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *self.command(job, limits, file_fds)],
+                                    stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                    start_new_session=True, close_fds=True, pass_fds=list(file_fds.values()))
+        finally:
+            for fd in [stdin, *file_fds.values()]:
+                os.close(fd)
 
         def kill():
             if cg:
@@ -81,7 +114,7 @@ class BwrapBackend(base.BaseBackend):
                 kill()
                 code = proc.wait()
             wall = time.monotonic() - start
-            code = 128 - code if code < 0 else code  # killed by a signal: 128 + signal, as the bootstrap reports
+            code = 128 - code if code < 0 else code  # killed by a signal: 128 + signal, as bwrap reports the job's
             oom = bool(cg and cg.oom_killed())
         finally:
             kill()
