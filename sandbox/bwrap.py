@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 
 from . import base
 from .cgroups import JobCgroup, sweep_stale
-from .procio import collect
+from .procio import collect, memfd
 from .types import ExecResult, Limits
 
 NOBODY = 65534
@@ -28,14 +28,6 @@ JOIN_LIMIT_EXEC = ('fail() {{ echo "rlsys-bootstrap: $1" >&2; exit 125; }}; '
                    'for p in $RLSYS_CGROUP_PROCS; do echo $$ > "$p" || fail "cannot join cgroup $p"; done; '
                    'ulimit -S -t {cpu} && ulimit -H -t {cpu_hard} && ulimit -f {fsize_blocks} && ulimit -n {nofile} '
                    '&& ulimit -c 0 || fail "cannot set the rlimits"; exec "$@"')
-
-
-def memfd(name: str, data: bytes) -> int:
-    """An anonymous in-memory file holding `data`, read from its start."""
-    fd = os.memfd_create(name)
-    os.write(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
 
 
 @base.register("bwrap")

@@ -65,3 +65,14 @@ def collect(proc: subprocess.Popen, cap: int, deadline: float, kill: Callable[[]
     sel.close()
     out, err = proc.stdout.fileno(), proc.stderr.fileno()
     return Collected(bytes(bufs[out]), bytes(bufs[err]), over[out], over[err], timed_out, exceeded)
+
+
+def memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding `data`, positioned at its start (a job's stdin or
+    a file bwrap copies in)."""
+    fd = os.memfd_create(name)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

@@ -1,8 +1,10 @@
-"""NOT A SANDBOX. Plain `subprocess` with the same bootstrap, argv and caps but no
-isolation: the program sees the host, its network and its files. It exists only as the
-speed floor the benchmark compares the real backends against."""
+"""NOT A SANDBOX. Plain `subprocess`: the job's files written to a temp dir on the host and
+its argv run there, nothing else (no isolation, no limits but the wall time): the program
+sees the host, its network and its files. It exists only as the speed floor the benchmark
+compares the real backends against."""
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -10,7 +12,7 @@ import tempfile
 import time
 
 from . import base
-from .procio import collect
+from .procio import collect, memfd
 from .types import ExecResult, Limits
 
 
@@ -19,18 +21,19 @@ class UnsafeSubprocessBackend(base.BaseBackend):
     name = "subprocess-unsafe"
 
     def _execute(self, job: dict, limits: Limits) -> ExecResult:
-        # Private work and tmp dirs, and no kill(-1): on the host that would hit every
-        # process of the user (as root, every process).
-        top = tempfile.mkdtemp(prefix="rlsys-unsafe-")
-        work, tmp = os.path.join(top, "work"), os.path.join(top, "tmp")
-        os.mkdir(work)
-        os.mkdir(tmp)
-        job = {**job, "work": work, "tmp": tmp, "wipe": [work, tmp], "kill_leftovers": False}
-        argv = base.bootstrap_argv(job)
+        work = tempfile.mkdtemp(prefix="rlsys-unsafe-")
+        for name, data in job["files"].items():
+            path = os.path.join(work, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(data))
+        stdin = memfd("stdin", base64.b64decode(job["stdin"]))
         start = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                env={**base.ENV, "HOME": work})
+        try:
+            proc = subprocess.Popen(job["argv"], cwd=work, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, env={**base.ENV, "HOME": work})
+        finally:
+            os.close(stdin)
 
         def kill():
             try:
@@ -45,7 +48,7 @@ class UnsafeSubprocessBackend(base.BaseBackend):
             kill()
             proc.stdout.close()
             proc.stderr.close()
-            shutil.rmtree(top, ignore_errors=True)
+            shutil.rmtree(work, ignore_errors=True)
         stderr = base.decode(got.stderr)
         status, why = base.outcome(code, timed_out=got.timed_out, output_exceeded=got.output_exceeded,
                                    oom=False, stderr=stderr, limits=limits)
