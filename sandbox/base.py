@@ -89,13 +89,13 @@ class BaseBackend:
             extra, argv, nonce = harness.wrap(req)
             files.update(extra)
         job = job_spec(files, [PYTHON, "-E", "-s", *argv], to_bytes(req.stdin), req.limits)
-        if sum(len(v) for v in job["files"].values()) + len(job["stdin"]) > MAX_PAYLOAD:
+        if sum(base64_size(v) for v in [*job["files"].values(), job["stdin"]]) > MAX_PAYLOAD:
             return ExecResult("error", error=f"request too large: files and stdin over {MAX_PAYLOAD} bytes encoded")
         res = self._execute(job, req.limits)
         return harness.finish(res, req, nonce) if nonce else res
 
     def _execute(self, job: dict, limits: Limits) -> ExecResult:
-        """Run the bootstrap on `job` (see `job_spec`) inside the sandbox."""
+        """Run `job` (see `job_spec`) inside the sandbox."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -120,10 +120,11 @@ def to_bytes(x: str | bytes) -> bytes:
 
 
 def job_spec(files: dict[str, bytes], argv: list[str], stdin: bytes, limits: Limits) -> dict:
-    """What the bootstrap reads: files to write, the job's argv, stdin and rlimits."""
+    """What a backend runs: files to write (bytes), the job's argv, stdin (bytes) and rlimits;
+    for the in-sandbox bootstrap also its dirs (`bootstrap_argv` encodes it)."""
     return {
-        "files": {k: base64.b64encode(v).decode() for k, v in files.items()},
-        "stdin": base64.b64encode(stdin).decode(),
+        "files": files,
+        "stdin": stdin,
         "argv": argv,
         "limits": {
             "cpu_s": max(1, int(limits.cpu_time_s + 0.999)),
@@ -137,8 +138,15 @@ def job_spec(files: dict[str, bytes], argv: list[str], stdin: bytes, limits: Lim
     }
 
 
+def base64_size(data: bytes) -> int:
+    return 4 * ((len(data) + 2) // 3)
+
+
 def bootstrap_argv(job: dict) -> list[str]:
-    """`python3 -c BOOTSTRAP` with the job as base64 JSON, cut to fit argv."""
+    """`python3 -c BOOTSTRAP` with the job as base64 JSON (its files and stdin base64 inside),
+    cut to fit argv."""
+    b64 = lambda data: base64.b64encode(data).decode()
+    job = {**job, "files": {k: b64(v) for k, v in job["files"].items()}, "stdin": b64(job["stdin"])}
     blob = base64.b64encode(json.dumps(job).encode()).decode()
     return [PYTHON, "-E", "-s", "-c", BOOTSTRAP, *(blob[i:i + ARG_CHUNK] for i in range(0, len(blob), ARG_CHUNK))]
 

@@ -7,7 +7,6 @@ by the shell that execs bwrap, and the pid namespace takes every leftover proces
 with the job. One interpreter start per run instead of two."""
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import subprocess
@@ -79,8 +78,8 @@ class BwrapBackend(base.BaseBackend):
         lim = job["limits"]
         script = JOIN_LIMIT_EXEC.format(cpu=lim["cpu_s"], cpu_hard=lim["cpu_s"] + 1,  # SIGXCPU, then SIGKILL
                                         fsize_blocks=max(1, lim["fsize"] // 512), nofile=lim["nofile"])
-        file_fds = {name: memfd(name, base64.b64decode(data)) for name, data in job["files"].items()}
-        stdin = memfd("stdin", base64.b64decode(job["stdin"]))
+        file_fds = {name: memfd(name, data) for name, data in job["files"].items()}
+        stdin = memfd("stdin", job["stdin"])
         start = time.monotonic()
         try:
             proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *self.command(job, limits, file_fds)],

@@ -4,7 +4,6 @@ sees the host, its network and its files. It exists only as the speed floor the 
 compares the real backends against."""
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import subprocess
@@ -26,8 +25,8 @@ class UnsafeSubprocessBackend(base.BaseBackend):
             path = os.path.join(work, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
-                f.write(base64.b64decode(data))
-        stdin = memfd("stdin", base64.b64decode(job["stdin"]))
+                f.write(data)
+        stdin = memfd("stdin", job["stdin"])
         start = time.monotonic()
         try:
             proc = subprocess.Popen(job["argv"], cwd=work, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
