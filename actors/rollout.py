@@ -19,6 +19,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from actors.lean_decode import LeanDecoder, supports_lean_decode
 from actors.modeling import load_numpy_state, pad_sequences, quiet_transformers
 from rlsys.generation import Generation, GenerationRequest, Interpolation, SamplingParams, interpolated_logits
 
@@ -95,7 +96,8 @@ class HFBackend:
     serves interpolated sampling and reference embeddings; it is loaded on first use."""
 
     def __init__(self, model_dir: str, batch_size: int = 64, model=None, reference_dir: str | None = None,
-                 reference=None, quantized: str | None = None, specache: dict | None = None, device: str = "cpu"):
+                 reference=None, quantized: str | None = None, specache: dict | None = None, device: str = "cpu",
+                 decode: str = "lean"):
         from rlsys.models import load_model
 
         quiet_transformers()
@@ -116,6 +118,11 @@ class HFBackend:
         eos = cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else next(iter(self.eos_ids))
+        # decode "lean": actors/lean_decode.py for Llama-family models (else, and for "generate", `model.generate`)
+        if decode not in ("lean", "generate"):
+            raise ValueError(f"rollout.decode must be 'lean' or 'generate', not {decode!r}")
+        self.lean = LeanDecoder(self.model) if decode == "lean" and supports_lean_decode(self.model) else None
+        self._lean_reference = None
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """New policy weights; a quantised policy re-rounds them on its saved bit maps."""
@@ -135,6 +142,15 @@ class HFBackend:
                 raise ValueError("this request needs the reference model, and the backend has no reference_dir")
             self._reference = load_model(self.reference_dir).to(self.device).eval()
         return self._reference
+
+    @property
+    def lean_reference(self) -> LeanDecoder | None:
+        """The reference's lean decoder, when the policy decodes lean and the reference can too."""
+        if self.lean is None:
+            return None
+        if self._lean_reference is None and supports_lean_decode(self.reference):
+            self._lean_reference = LeanDecoder(self.reference)
+        return self._lean_reference
 
     @torch.no_grad()
     def embed(self, seqs: list[tuple[list[int], list[int]]], which: str) -> list[list[float]]:
@@ -158,6 +174,13 @@ class HFBackend:
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         if self.specache is not None and params.interpolation is None:
             return self._specache_batch(input_ids, attention_mask, params, stop_ids)
+        lean_reference = None if params.interpolation is None else self.lean_reference
+        if self.lean is not None and (params.interpolation is None or lean_reference is not None):
+            tokens, logprobs = self.lean.generate(
+                input_ids, attention_mask, params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, greedy=params.greedy, stop_ids=stop_ids, pad_id=self.pad_id,
+                reference=lean_reference, interpolation=params.interpolation)
+            return rows_until_stop(tokens, logprobs, stop_ids)
         mixing = [] if params.interpolation is None else [ReferenceMixing(self.reference, params.interpolation, attention_mask)]
         out = self.model.generate(
             input_ids=input_ids,
@@ -217,10 +240,11 @@ class HFBackend:
 
 
 def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str | None = None,
-                 quantized: str | None = None, specache: dict | None = None, **options) -> RolloutBackend:
+                 quantized: str | None = None, specache: dict | None = None, decode: str = "lean",
+                 **options) -> RolloutBackend:
     if name == "hf":
         return HFBackend(model_dir, batch_size=batch_size, reference_dir=reference_dir, quantized=quantized,
-                         specache=specache)
+                         specache=specache, decode=decode)
     if specache:
         raise ValueError(f"rollout.kv_cache=specache is served by the hf backend only, not {name}")
     if quantized:
@@ -239,13 +263,14 @@ class RolloutWorker:
 
     def __init__(self, model_dir: str, backend: str = "hf", batch_size: int = 64, threads: int = 1, index: int = 0,
                  reference_dir: str | None = None, quantized: str | None = None, specache: dict | None = None,
-                 backend_options: dict | None = None):
-        """`backend_options`: the vllm backend's engine settings (tensor_parallel_size, ...)."""
+                 backend_options: dict | None = None, decode: str = "lean"):
+        """`backend_options`: the vllm backend's engine settings (tensor_parallel_size, ...);
+        `decode`: the hf backend's decode loop (rollout.decode)."""
         torch.set_num_threads(threads)
         self.index = index
         # the reference defaults to model_dir: the initial policy, as the ReferenceWorker loads it
         self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir, quantized=quantized,
-                                    specache=specache, **(backend_options or {}))
+                                    specache=specache, decode=decode, **(backend_options or {}))
         self.weight_broadcast = None  # this worker's BroadcastGroup member (trainer.weight_sync=broadcast)
         self.version = 0
         self.tokens_generated = 0

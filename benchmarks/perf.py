@@ -305,23 +305,36 @@ class Bench:
         return "\n".join(lines + [f"| {' | '.join(r)} |" for r in self.rows])
 
 
+FIGURES = ("rollout", "learner", "ray", "growth", "e2e")
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 repeats per figure instead of 7, shorter end-to-end runs")
+    ap.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set(FIGURES):
+        ap.error(f"--only: unknown figures {sorted(only - set(FIGURES))} (choose from {', '.join(FIGURES)})")
     init_ray()
     bench = Bench(reps=3 if args.quick else 7)
     t0 = time.perf_counter()
-    worker = bench.rollout()
-    bench.learner(worker.generate(bench.requests(32, 64)))
-    bench.ray_figures()
-    bench.growth()
+    if only & {"rollout", "learner", "growth"}:
+        worker = bench.rollout()
+    if only & {"learner", "growth"}:
+        bench.learner(worker.generate(bench.requests(32, 64)))
+    if "ray" in only:
+        bench.ray_figures()
+    if "growth" in only:
+        bench.growth()
+    note = ""
     try:
         import trl  # noqa: F401
-        note = ""
     except ImportError:
         note = "\nTRL GRPOTrainer end-to-end: not measured (trl is not installed: pip install -c constraints.txt trl)"
-    if not note:
+    if "e2e" not in only:
+        note = ""
+    elif not note:
         note = "\n" + bench.end_to_end(steps=4 if args.quick else 10, sft_steps=300 if args.quick else 800)
     print(f"\nbenchmarks/perf.py {' '.join(argv)} ({time.perf_counter() - t0:.0f} s); ratio = rlsys / baseline\n")
     print(bench.table())

@@ -73,6 +73,8 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0)
     batch_size: int = Field(64, ge=1, description="sequences per generate call")
     eval_greedy: bool = True
+    decode: Literal["lean", "generate"] = Field("lean", description="hf backend: lean decode loop (Llama-family "
+                                                "models; others fall back) or transformers' generate")
     kv_cache: Literal["full", "specache"] = Field("full", description="specache: SpeCache two-tier KV cache (hf backend)")
     specache_k: int = Field(64, ge=1, description="full-precision KV pairs fetched per decode step")
     specache_bits: int = Field(2, ge=1, le=4, description="bits of the low-bit KV copy in the fast tier")
@@ -80,6 +82,13 @@ class RolloutConfig(Section):
     quantized: Optional[str] = Field(None, description="SliM-LLM quantised dir (rlsys quantize) to serve, hf backend")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM engine (vllm backend)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory fraction a vLLM engine takes")
+
+    @field_validator("decode")
+    @classmethod
+    def _hf_decode(cls, v, info):
+        if v != "lean" and info.data.get("backend") != "hf":
+            raise ValueError("is a setting of rollout.backend 'hf' only")
+        return v
 
     @field_validator("tensor_parallel_size", "gpu_memory_utilization")
     @classmethod

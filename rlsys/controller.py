@@ -225,7 +225,7 @@ class Controller:
         self.workers = [
             ray.remote(RolloutWorker).options(**placement, **opts).remote(
                 str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized,
-                specache=r.specache_settings(), backend_options=vllm_options(cfg, i))
+                specache=r.specache_settings(), backend_options=vllm_options(cfg, i), decode=r.decode)
             for i, placement in enumerate(rollout_actor_options(cfg))
         ]
         temperature = r.temperature if r.temperature > 0 else 1.0

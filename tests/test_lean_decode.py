@@ -1,0 +1,117 @@
+"""The lean decode loop (actors/lean_decode.py) samples what transformers' generate would:
+same greedy tokens and logprobs (left padding, rows stopping at different steps), the same
+truncated distribution, the weights most recently loaded, and a fallback for other models."""
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from actors.lean_decode import sample_next, supports_lean_decode
+from actors.rollout import HFBackend
+from rlsys.generation import GenerationRequest, SamplingParams
+from rlsys.models import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SPEC = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
+
+
+def qwen2():
+    model = build_tiny_model(SPEC, seed=3).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)  # peaked next-token distributions: greedy ties are unlikely
+    model.config.eos_token_id, model.config.pad_token_id = 1, 0
+    return model
+
+
+def llama():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
+                      attention_bias=True)
+    torch.manual_seed(4)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def both(model, requests):
+    lean = HFBackend("unused", model=model, decode="lean")
+    plain = HFBackend("unused", model=model, decode="generate")
+    assert lean.lean is not None and plain.lean is None
+    return lean.generate(requests), plain.generate(requests)
+
+
+@pytest.mark.parametrize("make", [qwen2, llama])
+def test_greedy_tokens_and_logprobs_match_generate(make):
+    model = make()
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    _, free = both(model, [GenerationRequest(p, greedy) for p in PROMPTS])
+    # stop tokens that end rows at different steps, so finished rows leave the batch mid-way
+    stops = {free[0].response_ids[2], free[1].response_ids[6]}
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=tuple(sorted(stops)))
+    lean, plain = both(model, [GenerationRequest(p, params) for p in PROMPTS])
+    assert [g.response_ids for g in lean] == [g.response_ids for g in plain]
+    assert [g.finish_reason for g in lean] == [g.finish_reason for g in plain]
+    assert len({len(g.response_ids) for g in lean}) >= 2 and any(g.finish_reason == "stop" for g in lean)
+    for a, b in zip(lean, plain):
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)])
+def test_sampled_tokens_follow_the_warped_softmax(temperature, top_k, top_p):
+    """Token frequencies match transformers' temperature -> top-k -> top-p distribution, and
+    nothing outside its support is ever drawn."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 2
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    expected = scores.softmax(-1)[0]
+    draws = sample_next(logits.expand(40000, -1), temperature, top_k, top_p, greedy=False)
+    freq = torch.bincount(draws, minlength=12).float() / len(draws)
+    assert set(draws.unique().tolist()) == set(expected.nonzero().squeeze(-1).tolist())
+    assert torch.allclose(freq, expected, atol=0.01)
+
+
+def test_sampled_logprobs_are_the_policy_softmax_of_the_drawn_tokens(one_torch_thread):
+    model = qwen2()
+    params = SamplingParams(n=8, max_new_tokens=6, temperature=0.8, seed=1)
+    gens = HFBackend("unused", model=model).generate([GenerationRequest(p, params) for p in PROMPTS])
+    g = gens[5]
+    ids = torch.tensor([g.prompt_ids + g.response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(g.prompt_ids) - 1 : -1] / 0.8
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.response_ids)[:, None]).squeeze(-1)
+    assert np.allclose(g.logprobs, expected.tolist(), atol=1e-5)
+
+
+def test_decoding_uses_the_weights_loaded_last(one_torch_thread):
+    model, other = qwen2(), build_tiny_model(SPEC, seed=9).eval()
+    other.config.eos_token_id, other.config.pad_token_id = 1, 0
+    backend = HFBackend("unused", model=model)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    reqs = [GenerationRequest(p, params) for p in PROMPTS]
+    before = backend.generate(reqs)
+    backend.load_weights({k: v.numpy() for k, v in other.state_dict().items()})
+    after = backend.generate(reqs)
+    expected = HFBackend("unused", model=other, decode="generate").generate(reqs)
+    assert [g.response_ids for g in after] == [g.response_ids for g in expected]
+    lps = lambda gens: np.concatenate([g.logprobs for g in gens])
+    assert np.allclose(lps(after), lps(expected), atol=1e-5)
+    assert not np.allclose(lps(after), lps(before), atol=1e-2)
+
+
+def test_other_architectures_fall_back_to_generate(one_torch_thread):
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).eval()
+    assert not supports_lean_decode(model)
+    backend = HFBackend("unused", model=model)
+    assert backend.lean is None
+    gens = backend.generate([GenerationRequest(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.0))])
+    assert len(gens[0].response_ids) >= 1
+    with pytest.raises(ValueError, match="rollout.decode"):
+        HFBackend("unused", model=model, decode="fast")
