@@ -202,9 +202,11 @@ class Learner:
 
     def weights(self) -> dict[str, np.ndarray] | None:
         """The policy's weights (HF state-dict names) as numpy on rank 0; None on other ranks.
-        Under ZeRO-3 every rank must call this (the parameters are gathered collectively)."""
+        Under ZeRO-3 every rank must call this (the parameters are gathered collectively) and
+        they are copied out of the gathered buffers; otherwise they are views of the parameters
+        (one copy fewer per sync: the actor's return value is serialized before the next step)."""
         with self._full_policy() as policy:
-            return state_dict_numpy(policy) if self.rank == 0 else None
+            return state_dict_numpy(policy, copy=self.zero_stage == 3) if self.rank == 0 else None
 
     # ---- trainer.weight_sync=broadcast (actors/weight_broadcast.py) ----------------------------
     def broadcast_endpoint(self) -> tuple[str, int]:

@@ -62,20 +62,25 @@ class PolicyOnly(nn.Module):
         return logits, logprobs, None
 
 
-def state_dict_numpy(module: nn.Module) -> dict[str, np.ndarray]:
+def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarray]:
     """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled).
-    numpy has no bfloat16: bf16 weights (a bf16 CUDA learner) come out as float32."""
+    numpy has no bfloat16: bf16 weights (a bf16 CUDA learner) come out as float32. With
+    `copy=False`, CPU float32 weights come out as views of the live parameters (valid until
+    they change; a Ray actor method's return value is serialized before its next call)."""
     def to_numpy(v: torch.Tensor) -> np.ndarray:
         v = v.detach().cpu()
-        return (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy()
+        out = (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+        return out.copy() if copy else out
 
     return {k: to_numpy(v) for k, v in module.state_dict().items()}
 
 
-def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
+def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray], only_buffers: bool = False) -> None:
     """Copy numpy weights (possibly read-only object-store views) or tensors (a weight
     broadcast) into the module in place."""
     own = module.state_dict()
+    if only_buffers:
+        own = {name: buf for name, buf in module.named_buffers() if name in own}
     missing = set(own) - set(weights)
     if missing:
         raise KeyError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[0]}")
@@ -87,6 +92,28 @@ def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
             if src.shape != tensor.shape:
                 raise ValueError(f"weight {name}: shape {tuple(src.shape)} != {tuple(tensor.shape)}")
             tensor.copy_(src)
+
+
+def adopt_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
+    """Point an inference-only module's parameters at the given arrays without copying (the
+    object store's read-only buffers, kept alive by the tensors): a weight sync then costs no
+    copy into the model. Arrays of another dtype, and buffers, are copied as `load_numpy_state` does."""
+    every_name = dict(module.named_parameters(remove_duplicate=False))  # tied weights: each name
+    missing = set(every_name) - set(weights)
+    if missing:
+        raise KeyError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+    load_numpy_state(module, {k: v for k, v in weights.items() if k not in every_name}, only_buffers=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # non-writable numpy views are only read
+        for name, param in module.named_parameters():  # a tied parameter once, under its first name
+            src = weights[name]
+            src = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
+            if src.shape != param.shape:
+                raise ValueError(f"weight {name}: shape {tuple(src.shape)} != {tuple(param.shape)}")
+            if src.dtype == param.dtype and src.device == param.device:
+                param.data = src
+            else:
+                param.data = src.to(device=param.device, dtype=param.dtype)
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from actors.lean_decode import LeanDecoder, supports_lean_decode
-from actors.modeling import load_numpy_state, pad_sequences, quiet_transformers
+from actors.modeling import adopt_numpy_state, load_numpy_state, pad_sequences, quiet_transformers
 from rlsys.generation import Generation, GenerationRequest, Interpolation, SamplingParams, interpolated_logits
 
 
@@ -125,12 +125,15 @@ class HFBackend:
         self._lean_reference = None
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """New policy weights; a quantised policy re-rounds them on its saved bit maps."""
-        load_numpy_state(self.model, weights)
-        if self.requantize is not None:
-            from rlsys.quantize.model import requantize
+        """New policy weights; a quantised policy re-rounds them on its saved bit maps (in place,
+        so it copies them); otherwise the model reads the given arrays without a copy."""
+        if self.requantize is None:
+            adopt_numpy_state(self.model, weights)
+            return
+        from rlsys.quantize.model import requantize
 
-            requantize(self.model, self.requantize[1], self.requantize[0])
+        load_numpy_state(self.model, weights)
+        requantize(self.model, self.requantize[1], self.requantize[0])
 
     @property
     def reference(self):

@@ -166,6 +166,65 @@ class Bench:
         return learner
 
     # ---- 3. weight sync, 4. scaling (Ray actors) --------------------------------------
+    def weight_sync(self, learner, worker) -> dict:
+        """Controller.sync_weights' path (learner.weights() ref -> worker.load_weights) vs a raw
+        ray.put + ray.get of the same dict, and vs the floor of that path: one actor returns the
+        dict, another receives it. Returns the state dict."""
+        import ray
+
+        version = iter(range(1, 10**6))
+
+        def controller_path():
+            ref = learner.weights.remote()
+            ray.get(worker.load_weights.remote(next(version), ref))
+
+        state = ray.get(learner.weights.remote())
+        mb = sum(a.nbytes for a in state.values()) / 2**20
+        t_ours, t_raw = paired(controller_path, lambda: ray.get(ray.put(state)), self.reps * 3)
+        self.add(f"weight sync, ms ({mb:.1f} MB; ms/MB: {t_ours * 1e3 / mb:.2f} vs {t_raw * 1e3 / mb:.2f})",
+                 f"{t_ours * 1e3:.1f}", f"{t_raw * 1e3:.1f}", t_ours / t_raw, "<= 1.2x")
+
+        @ray.remote(num_cpus=0.1)
+        class Hop:
+            def __init__(self, state=None):
+                self.state = state
+
+            def get(self):
+                return self.state
+
+            def take(self, state):
+                return len(state)
+
+        src, dst = Hop.remote(state), Hop.remote()
+        t_hop = timed(lambda: ray.get(dst.take.remote(src.get.remote())), self.reps * 3)
+        self.add(f"weight sync vs its two-actor-hop floor ({mb:.1f} MB: actor -> store -> actor), ms",
+                 f"{t_ours * 1e3:.1f}", f"{t_hop * 1e3:.1f}", t_ours / t_hop, "(what bounds it)")
+        ray.kill(src), ray.kill(dst)
+        return state
+
+    def bigger_policy(self) -> str:
+        """An 8 x 512 Qwen2 (~100 MB fp32) with the task's tokenizer, saved beside the policy."""
+        from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir
+
+        spec = TinyModelSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                             num_key_value_heads=4)
+        path = Path(self.policy_dir).parent / "policy_8x512"
+        return str(save_model_dir(build_tiny_model(spec, self.tok), self.tok, path))
+
+    def weight_sync_at(self, policy_dir: str) -> None:
+        import ray
+
+        from actors.learner import Learner
+        from actors.rollout import RolloutWorker
+        from rlsys.controller import free_port
+
+        learner = ray.remote(Learner).options(num_cpus=0.5).remote(
+            policy_dir, self.controller.algorithm, lr=self.cfg.learner.lr, threads=1, master_port=free_port())
+        worker = ray.remote(RolloutWorker).options(num_cpus=0.5).remote(policy_dir, "hf", 64, 1, 9)
+        ray.get([learner.ready.remote(), worker.policy_version.remote()])
+        self.weight_sync(learner, worker)
+        ray.kill(learner), ray.kill(worker)
+
     def ray_figures(self, batch: int = 64, new: int = 64):
         import ray
 
@@ -179,34 +238,7 @@ class Bench:
         workers = [ray.remote(RolloutWorker).options(num_cpus=0.5).remote(self.policy_dir, "hf", 64, 1, i)
                    for i in range(2)]
         ray.get([learner.ready.remote()] + [w.policy_version.remote() for w in workers])
-        version = iter(range(1, 10**6))
-
-        def controller_path():  # Controller.sync_weights: learner.weights() ref -> worker.load_weights
-            ref = learner.weights.remote()
-            ray.get(workers[0].load_weights.remote(next(version), ref))
-
-        state = ray.get(learner.weights.remote())
-        mb = sum(a.nbytes for a in state.values()) / 2**20
-        t_ours, t_raw = paired(controller_path, lambda: ray.get(ray.put(state)), self.reps * 3)
-        self.add(f"weight sync, ms ({mb:.1f} MB; ms/MB: {t_ours * 1e3 / mb:.2f} vs {t_raw * 1e3 / mb:.2f})",
-                 f"{t_ours * 1e3:.1f}", f"{t_raw * 1e3:.1f}", t_ours / t_raw, "<= 1.2x")
-
-        @ray.remote(num_cpus=0.1)
-        class Hop:  # the floor of the controller's path: actor returns the dict, another actor receives it
-            def __init__(self, state=None):
-                self.state = state
-
-            def get(self):
-                return self.state
-
-            def take(self, state):
-                return len(state)
-
-        src, dst = Hop.remote(state), Hop.remote()
-        t_hop = timed(lambda: ray.get(dst.take.remote(src.get.remote())), self.reps * 3)
-        self.add("weight sync vs its two-actor-hop floor (same dict: actor -> store -> actor), ms",
-                 f"{t_ours * 1e3:.1f}", f"{t_hop * 1e3:.1f}", t_ours / t_hop, "(what bounds it)")
-
+        state = self.weight_sync(learner, workers[0])
         ray.get(workers[0].load_weights.remote(0, state))  # back to version 0, as ActorContext expects
         reqs = self.requests(batch, new)
         ctxs = [ActorContext(self.cfg, self.tok, self.task, workers[:n], None, None, None, 0) for n in (1, 2)]
@@ -214,8 +246,15 @@ class Bench:
         one, two = batch * new / t_one, batch * new / t_two
         self.add(f"scaling: rollout tokens/s, 2 vs 1 workers (batch {batch}, {new} new)", f"{two:.0f}",
                  f"{one:.0f}", two / one, ">= 1.7x")
-        for a in [learner, *workers, src, dst]:
+        # the same per-worker batch: a second worker generates a second batch in the same time
+        double = self.requests(2 * batch, new)
+        t_one, t_two = paired(lambda: ctxs[0].generate(reqs), lambda: ctxs[1].generate(double), self.reps)
+        one, two = batch * new / t_one, 2 * batch * new / t_two
+        self.add(f"scaling: rollout tokens/s, 2 workers x batch {batch} vs 1 x {batch} ({new} new)", f"{two:.0f}",
+                 f"{one:.0f}", two / one, ">= 1.7x")
+        for a in [learner, *workers]:
             ray.kill(a)
+        self.weight_sync_at(self.bigger_policy())  # fixed per-call costs amortise: the per-MB figure
 
     # ---- 5. cost growth ---------------------------------------------------------------
     def growth(self):

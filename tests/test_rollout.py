@@ -22,3 +22,29 @@ def test_sampling_draws_from_the_full_softmax(one_torch_thread):
     assert len(first_tokens) > 150
     logprobs = torch.tensor([g.logprobs[0] for g in gens])
     assert torch.allclose(logprobs, torch.full_like(logprobs, -torch.log(torch.tensor(256.0))), atol=0.05)
+
+
+def test_loaded_weights_are_read_in_place_not_copied():
+    """A weight sync points the rollout model at the received arrays (no copy into the model):
+    tied embeddings stay one tensor, the outputs are the new weights', and a missing or
+    misshapen tensor is named."""
+    import numpy as np
+    import pytest
+
+    spec = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model, other = build_tiny_model(spec, None, seed=0).eval(), build_tiny_model(spec, None, seed=1).eval()
+    backend = HFBackend("unused", model=model)
+    weights = {k: v.numpy().copy() for k, v in other.state_dict().items()}
+    backend.load_weights(weights)
+    emb = model.model.embed_tokens.weight
+    assert emb.data_ptr() == weights["model.embed_tokens.weight"].__array_interface__["data"][0]
+    assert model.lm_head.weight is emb  # still tied
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, other(input_ids=ids).logits)
+    with pytest.raises(KeyError, match="lack"):
+        backend.load_weights({k: v for k, v in weights.items() if "mlp" not in k})
+    bad = dict(weights, **{"model.norm.weight": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        backend.load_weights(bad)
