@@ -111,6 +111,13 @@ def build_algorithm(cfg):
         cls = get_algorithm(cfg.algorithm.name)
     except KeyError as e:
         raise ConfigError(f"config error: algorithm.name = {cfg.algorithm.name!r}: {e.args[0]}") from None
+    if cfg.trainer.overlap_rollout:
+        if not getattr(cls, "allows_overlap", False):
+            raise ConfigError(f"config error: 'trainer.overlap_rollout': algorithm '{cfg.algorithm.name}' needs its "
+                              f"rollout on the current policy (overlap: grpo, rloo)")
+        if cfg.buffer.max_staleness < 1:
+            raise ConfigError("config error: 'trainer.overlap_rollout' trains on rows one policy version old: "
+                              "set buffer.max_staleness >= 1")
     return cls(validate_section(cls.Config, cfg.algorithm_params(), prefix="algorithm"))
 
 

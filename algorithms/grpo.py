@@ -28,6 +28,7 @@ class GRPOConfig(AlgorithmConfig):
 class GRPO(StatelessMixin):
     Config = GRPOConfig
     needs_value_head = False
+    allows_overlap = True  # rows a version old are corrected by the clipped ratio to their rollout logprobs
 
     def __init__(self, config: GRPOConfig | None = None):
         self.config = config or self.Config()

@@ -127,6 +127,25 @@ def accuracy(model, task, tok, rows) -> float:
     return float(np.mean([task.is_correct(rows[g.request_index], t) for g, t in zip(gens, texts)]))
 
 
+def with_easy_rows(task: ArithmeticTask, data_dir: Path, fraction: float, seed: int) -> ArithmeticTask:
+    """The task with `fraction` of each split's rows replaced by single-digit sums drawn with
+    replacement from the 100 there are: data whose difficulty varies, and whose easy part
+    repeats, as real distillation corpora do."""
+    from envs.datasets import write_rows
+
+    rng = np.random.default_rng(seed)
+    easy = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+
+    def mixed(rows):
+        n_easy = int(round(fraction * len(rows)))
+        picked = [easy[i] for i in rng.integers(0, len(easy), n_easy)]
+        out = rows[: len(rows) - n_easy] + picked
+        return [out[i] for i in rng.permutation(len(out))]
+
+    return ArithmeticTask(write_rows(mixed(task.rows("train")), data_dir / "train.parquet"),
+                          write_rows(mixed(task.rows("eval")), data_dir / "eval.parquet"))
+
+
 def first_reaching(curve, target: float):
     return next((s for s, loss in curve if loss <= target), None)
 
@@ -136,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-train", type=int, default=1024)
     p.add_argument("--num-eval", type=int, default=200)
     p.add_argument("--max-value", type=int, default=49)
+    p.add_argument("--easy-fraction", type=float, default=0.0,
+                   help="share of rows replaced by repeated single-digit sums (data of mixed difficulty)")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -161,6 +182,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="dakd-bench-"))
     task = ArithmeticTask.create(root / "data", args.num_train, args.num_eval, 0, args.max_value, ["+"], args.seed)
+    if args.easy_fraction:
+        task = with_easy_rows(task, root / "mixed", args.easy_fraction, args.seed)
     tok = train_tokenizer(task.corpus(), 512)
 
     def spec(text):

@@ -282,6 +282,7 @@ class Bench:
         median step's, the first step of each left out.
         Returns rlsys's per-phase split of the timed steps."""
         import ray
+        import torch
         from datasets import Dataset
         from transformers import PrinterCallback, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
@@ -291,26 +292,36 @@ class Bench:
         from rlsys.models import load_model
 
         run_dir = self.controller.run_dir.parent / "e2e"
-        cfg = load_config(QUICKSTART, [
-            f"run.output_dir={run_dir.parent}", "run.name=e2e", f"sft.steps={sft_steps}", "sft.demo_error=0", "algorithm.kl_coef=0",
-            f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}"])
-        c = Controller(cfg, run_dir, progress=False)
+        common = [f"run.output_dir={run_dir.parent}", "sft.demo_error=0", "algorithm.kl_coef=0",
+                  f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}"]
+        c = Controller(load_config(QUICKSTART, [*common, "run.name=e2e", f"sft.steps={sft_steps}"]), run_dir, progress=False)
         policy_dir = c.prepare_policy()
         c.start_actors(policy_dir)
-        ours, theirs, rewards, phases = [], [], [], {}
+        # the same policy, generating step t+1's rows while the learner trains on step t's
+        over = Controller(load_config(QUICKSTART, [*common, "run.name=e2e-overlap", f"model.path={policy_dir}", "sft.steps=0",
+                                                   "trainer.overlap_rollout=true", "buffer.max_staleness=1",
+                                                   f"trainer.steps={steps}"]), run_dir.parent / "e2e-overlap", progress=False)
+        over.start_actors(over.prepare_policy())
+        cfg = c.cfg
+        ours, overlapped, theirs, rewards, over_rewards, phases, lengths, threads = [], [], [], [], [], {}, [], set()
 
-        class Interleave(TrainerCallback):  # one rlsys step after each TRL step: drift hits both alike
+        class Interleave(TrainerCallback):  # one step of each rlsys run after each TRL step: drift hits all alike
             def on_step_begin(self, *a, **k):
                 self.t = time.perf_counter()
 
             def on_step_end(self, *a, **k):
                 theirs.append(time.perf_counter() - self.t)
+                threads.add(torch.get_num_threads())
                 m = c.train_step()
                 ours.append(m["time/step"])
+                lengths.append(m["response_length"])
                 rewards.append(m["reward/mean"])
                 for key, v in m.items():
                     if key.startswith("time/") and key != "time/step":
                         phases[key[5:]] = phases.get(key[5:], 0.0) + v
+                m = over.train_step()
+                overlapped.append(m["time/step"])
+                over_rewards.append(m["reward/mean"])
 
         task, tok = c.task, c.tokenizer
         tok.padding_side = "left"
@@ -326,15 +337,23 @@ class Bench:
                               processing_class=tok, callbacks=[Interleave()])
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         trainer.train()
-        for a in [*c.workers, *c.learners, c.reference, c.reward, c.buffer]:
+        for a in [*c.workers, *c.learners, c.reference, c.reward, c.buffer,
+                  *over.workers, *over.learners, over.reference, over.reward, over.buffer]:
             ray.kill(a)
         samples = prompts * group
         ours_sps, theirs_sps = samples / statistics.median(ours[1:]), samples / statistics.median(theirs[1:])
+        over_sps = samples / statistics.median(overlapped[1:])
         trl_reward = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+        trl_length = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+        print(f"  e2e: mean response length {statistics.mean(lengths):.1f} vs TRL {statistics.mean(trl_length):.1f}; "
+              f"torch threads in the TRL process {sorted(threads)}", file=sys.stderr)
         self.add(f"end-to-end GRPO samples/s vs TRL GRPOTrainer (G={group}, {prompts} prompts/step, <= {new} new, "
                  f"{sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
                  f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f})",
                  f"{ours_sps:.1f}", f"{theirs_sps:.1f}", ours_sps / theirs_sps, ">= 1.5x")
+        self.add(f"end-to-end, trainer.overlap_rollout (next step's rollout during training; mean train reward "
+                 f"{statistics.mean(over_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f})",
+                 f"{over_sps:.1f}", f"{theirs_sps:.1f}", over_sps / theirs_sps, ">= 1.5x")
         total = sum(ours)
         return "rlsys end-to-end step split: " + ", ".join(
             f"{k} {v / total:.0%}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
@@ -355,7 +374,7 @@ def main(argv: list[str]) -> None:
     only = set(args.only.split(","))
     if only - set(FIGURES):
         ap.error(f"--only: unknown figures {sorted(only - set(FIGURES))} (choose from {', '.join(FIGURES)})")
-    init_ray()
+    init_ray(num_cpus=8)  # logical: the e2e figure runs two controllers' actors side by side
     bench = Bench(reps=3 if args.quick else 7)
     t0 = time.perf_counter()
     if only & {"rollout", "learner", "growth"}:

@@ -147,6 +147,8 @@ class TrainerConfig(Section):
     sync_timeout_s: float = Field(120.0, gt=0)
     weight_sync: Literal["object_store", "broadcast"] = Field(
         "object_store", description="broadcast: a torch.distributed group from learner rank 0 (NCCL with vllm, else gloo)")
+    overlap_rollout: bool = Field(False, description="generate the next step's experience while the learner trains "
+                                  "(one policy version behind; needs buffer.max_staleness >= 1; grpo, rloo)")
 
 
 class BufferConfig(Section):

@@ -282,10 +282,13 @@ class Controller:
         ctx.timings.clear()
         tokens_before = ctx.tokens_generated
         start = time.perf_counter()
-        table = self.algorithm.rollout(ctx, self.stream.next(cfg.trainer.prompts_per_step))
+        overlap = cfg.trainer.overlap_rollout
+        # under overlap_rollout the previous step left this step's rows in the buffer (checkpointed with it)
+        if not (overlap and self.step > 0 and ray.get(self.buffer.stats.remote())["size"] > 0):
+            self.put_rollout()
         with ctx.timed("buffer"):
-            ray.get(self.buffer.put.remote(table))
             table = ray.get(self.buffer.take.remote())
+        lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
         with ctx.timed("prepare"):
             batch = self.algorithm.prepare(table)
             extra = getattr(self.algorithm, "prepare_metrics", lambda t: {})(table)
@@ -296,8 +299,11 @@ class Controller:
             if getattr(self.algorithm, "restarts_policy", lambda t: False)(table):  # ReST: a round retrains from the start
                 with ctx.timed("restart"):
                     self._from_learners([l.restart.remote(str(self.policy_dir)) for l in self.learners])
-            with ctx.timed("train"):
-                rank_metrics = self._from_learners([l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))])
+            training = [l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))]
+            if overlap and self.step + 1 < cfg.trainer.steps:
+                self.put_rollout()  # the next step's rows, by the current weights, while the learner trains
+            with ctx.timed("train"):  # under overlap: the wait left after the next rollout
+                rank_metrics = self._from_learners(training)
             with ctx.timed("sync"):
                 self.sync_weights(ctx.policy_version + 1)
         self.step += 1
@@ -308,7 +314,7 @@ class Controller:
         metrics.update(extra)
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            "response_length": float(np.mean(lengths)),
+            "response_length": float(np.mean(lengths)), "policy_lag": float(lag.mean()) if len(lag) else 0.0,
             "samples": float(table.num_rows), "policy_version": float(ctx.policy_version),
         })
         if cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
@@ -320,6 +326,12 @@ class Controller:
         metrics["perf/tokens_per_s"] = generated / max(ctx.timings.get("generate", 0.0), 1e-9)
         metrics["perf/samples_per_s"] = table.num_rows / metrics["time/step"]
         return metrics
+
+    def put_rollout(self) -> None:
+        """One step's experience from the rollout workers into the buffer."""
+        table = self.algorithm.rollout(self.ctx, self.stream.next(self.cfg.trainer.prompts_per_step))
+        with self.ctx.timed("buffer"):
+            ray.get(self.buffer.put.remote(table))
 
     def _from_learners(self, refs: list) -> list:
         """`ray.get` of learner calls; a dead rank ends the run with one line naming it and the

@@ -50,3 +50,13 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
         lines = [l for l in p.stderr.splitlines() if l.strip()]
         assert len(lines) == 1 and lines[0].startswith("config error:"), p.stderr
         assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["algorithm.name=ppo", "buffer.max_staleness=1"], "algorithm 'ppo' needs its rollout on the current policy"),
+    ([], "set buffer.max_staleness >= 1"),
+])
+def test_overlapped_rollout_needs_an_algorithm_and_buffer_that_allow_it(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_algorithm(load_config(QUICKSTART, ["trainer.overlap_rollout=true", *extra]))
+    assert build_algorithm(load_config(QUICKSTART, ["trainer.overlap_rollout=true", "buffer.max_staleness=1"]))

@@ -115,3 +115,20 @@ def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_c
     assert "\n" not in message and "learner rank 0 of 1 died during step 2" in message
     assert f"resume from {saved.name}" in message and "rlsys resume" in message
     assert checkpoint.verify(saved)["step"] == 1  # what was saved is intact and resumable
+
+
+def test_overlapped_rollout_trains_on_rows_one_version_old_and_checkpoints_them(ray_cluster, tmp_path):
+    """trainer.overlap_rollout: the next step's rows are generated while the learner trains, by
+    the policy a version behind; the prefetched rows are in the checkpointed buffer, and the last
+    step prefetches nothing."""
+    import pyarrow.parquet as pq
+
+    controller, summary = run_job(tmp_path, "grpo", ["trainer.steps=3", "trainer.overlap_rollout=true",
+                                                     "buffer.max_staleness=1", "trainer.checkpoint_every=2"])
+    rows = [json.loads(l) for l in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["samples"] for r in rows] == [32, 32, 32] and summary["steps"] == 3
+    saved = pq.read_table(tmp_path / "grpo" / "checkpoints" / "step_2" / "buffer.parquet")
+    assert saved.num_rows == 32 and set(saved.column("policy_version").to_pylist()) == {1}
+    stats = ray_cluster.get(controller.buffer.stats.remote())
+    assert stats["size"] == 0 and stats["dropped_stale"] == 0
