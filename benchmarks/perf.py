@@ -291,6 +291,7 @@ class Bench:
         from rlsys.controller import Controller
         from rlsys.models import load_model
 
+        torch.set_num_threads(1)  # as each rlsys actor (an earlier figure's libraries may have changed it)
         run_dir = self.controller.run_dir.parent / "e2e"
         common = [f"run.output_dir={run_dir.parent}", "sft.demo_error=0", "algorithm.kl_coef=0",
                   f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}"]
