@@ -132,3 +132,23 @@ def test_overlapped_rollout_trains_on_rows_one_version_old_and_checkpoints_them(
     assert saved.num_rows == 32 and set(saved.column("policy_version").to_pylist()) == {1}
     stats = ray_cluster.get(controller.buffer.stats.remote())
     assert stats["size"] == 0 and stats["dropped_stale"] == 0
+
+
+def test_zero3_learner_syncs_its_gathered_weights(ray_cluster, tmp_path):
+    """Under ZeRO-3 the weights are gathered from both ranks and copied out before the gathered
+    buffers are released: the workers serve exactly the learner's trained weights."""
+    import numpy as np
+
+    from actors.modeling import state_dict_numpy
+    from rlsys.models import load_model
+
+    # the length-shaped reward varies within a group, so the advantages (and the update) are not zero
+    controller, _ = run_job(tmp_path, "grpo", ["trainer.steps=2", "learner.num_ranks=2", "learner.zero_stage=3",
+                                               "rollout.num_workers=1", "task.shaping=[{cosine_length: {max_length: 24}}]"])
+    served = ray_cluster.get(controller.workers[0].__ray_call__.remote(lambda w: state_dict_numpy(w.backend.model)))
+    refs = [l.weights.remote() for l in controller.learners]  # every rank joins the gather
+    learner = ray_cluster.get(refs)[0]
+    initial = state_dict_numpy(load_model(tmp_path / "grpo" / "policy_init"))
+    assert set(served) == set(learner)
+    assert all(np.array_equal(served[k], learner[k]) for k in learner)
+    assert any(not np.array_equal(initial[k], learner[k]) for k in learner)
