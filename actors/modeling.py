@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -75,45 +76,45 @@ def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarr
     return {k: to_numpy(v) for k, v in module.state_dict().items()}
 
 
-def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray], only_buffers: bool = False) -> None:
-    """Copy numpy weights (possibly read-only object-store views) or tensors (a weight
-    broadcast) into the module in place."""
-    own = module.state_dict()
-    if only_buffers:
-        own = {name: buf for name, buf in module.named_buffers() if name in own}
-    missing = set(own) - set(weights)
+def _matched(targets: dict[str, torch.Tensor], weights: dict) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(target, source) per target name, sources as tensors (numpy arrays, possibly read-only
+    object-store views, are wrapped, not copied); a missing or misshapen source is named."""
+    missing = set(targets) - set(weights)
     if missing:
         raise KeyError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[0]}")
-    with torch.no_grad(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # non-writable numpy views are only read
-        for name, tensor in own.items():
+        for name, target in targets.items():
             src = weights[name]
             src = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
-            if src.shape != tensor.shape:
-                raise ValueError(f"weight {name}: shape {tuple(src.shape)} != {tuple(tensor.shape)}")
-            tensor.copy_(src)
+            if src.shape != target.shape:
+                raise ValueError(f"weight {name}: shape {tuple(src.shape)} != {tuple(target.shape)}")
+            yield target, src
 
 
+@torch.no_grad()
+def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
+    """Copy numpy weights (possibly read-only object-store views) or tensors (a weight
+    broadcast) into the module in place."""
+    for tensor, src in _matched(module.state_dict(), weights):
+        tensor.copy_(src)
+
+
+@torch.no_grad()
 def adopt_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
     """Point an inference-only module's parameters at the given arrays without copying (the
     object store's read-only buffers, kept alive by the tensors): a weight sync then costs no
     copy into the model. Arrays of another dtype, and buffers, are copied as `load_numpy_state` does."""
-    every_name = dict(module.named_parameters(remove_duplicate=False))  # tied weights: each name
-    missing = set(every_name) - set(weights)
-    if missing:
-        raise KeyError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[0]}")
-    load_numpy_state(module, {k: v for k, v in weights.items() if k not in every_name}, only_buffers=True)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # non-writable numpy views are only read
-        for name, param in module.named_parameters():  # a tied parameter once, under its first name
-            src = weights[name]
-            src = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
-            if src.shape != param.shape:
-                raise ValueError(f"weight {name}: shape {tuple(src.shape)} != {tuple(param.shape)}")
-            if src.dtype == param.dtype and src.device == param.device:
-                param.data = src
-            else:
-                param.data = src.to(device=param.device, dtype=param.dtype)
+    params = dict(module.named_parameters(remove_duplicate=False))  # tied weights: each name
+    buffers = {name: t for name, t in module.state_dict().items() if name not in params}
+    for tensor, src in _matched(buffers, weights):
+        tensor.copy_(src)
+    seen = set()
+    for param, src in _matched(params, weights):
+        if id(param) in seen:  # a tied parameter is set once, under its first name
+            continue
+        seen.add(id(param))
+        param.data = src if (src.dtype, src.device) == (param.dtype, param.device) else src.to(param.device, param.dtype)
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

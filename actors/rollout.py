@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from actors.lean_decode import LeanDecoder, supports_lean_decode
+from actors.lean_decode import LeanDecoder, positions_from_mask, supports_lean_decode
 from actors.modeling import adopt_numpy_state, load_numpy_state, pad_sequences, quiet_transformers
 from rlsys.generation import Generation, GenerationRequest, Interpolation, SamplingParams, interpolated_logits
 
@@ -77,7 +77,7 @@ class ReferenceMixing:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.seen == 0:
             new = input_ids
-            positions = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+            positions = positions_from_mask(self.attention_mask)
         else:
             new = input_ids[:, self.seen :]
             ones = torch.ones_like(new, dtype=self.attention_mask.dtype)
