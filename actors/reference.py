@@ -1,10 +1,12 @@
-"""Reference worker: a frozen copy of the initial policy that scores responses' logprobs."""
+"""Reference worker: a frozen copy of the initial policy that scores responses' logprobs.
+An algorithm whose KL anchor moves (BRiTE's P(.|x, theta_t)) loads the current policy into
+it (`load_weights`); checkpoints then keep that anchor (`save`, `load`)."""
 from __future__ import annotations
 
 import pyarrow as pa
 import torch
 
-from actors.modeling import forward_logprobs, per_response_tokens, quiet_transformers
+from actors.modeling import forward_logprobs, load_numpy_state, per_response_tokens, quiet_transformers
 
 
 class ReferenceWorker:
@@ -16,6 +18,18 @@ class ReferenceWorker:
         self.model = load_model(model_dir).eval()
         self.temperature = temperature
         self.batch_size = batch_size
+
+    def load_weights(self, weights: dict | None, model_dir: str | None = None) -> None:
+        """Hold these weights (numpy, by name) or, when None, the model saved in `model_dir`."""
+        from rlsys.models import load_model
+
+        if weights is None:
+            self.model = load_model(model_dir).eval()
+        else:
+            load_numpy_state(self.model, weights)
+
+    def save(self, path: str) -> None:
+        self.model.save_pretrained(path)
 
     def logprobs(self, table: pa.Table) -> list[list[float]]:
         """log pi_ref of each response token, aligned with `response_ids`."""

@@ -58,10 +58,11 @@ class RolloutContext(Protocol):
     task: Any
 
     def sampling(self, **overrides) -> SamplingParams: ...
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]: ...
+    def generate(self, requests: Sequence[GenerationRequest], policy: str | None = None) -> list[Generation]: ...
     def score(self, table: pa.Table) -> list[float]: ...
     def ref_logprobs(self, table: pa.Table) -> list[list[float]]: ...
     def values(self, table: pa.Table) -> list[list[float]]: ...
+    def anchor_reference(self) -> None: ...  # the reference becomes the current policy (BRiTE's theta_t)
     def next_seed(self) -> int: ...
 
 
@@ -75,6 +76,11 @@ class Algorithm(Protocol):
     def loss(self, outputs: ModelOutputs, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]: ...
     def state(self) -> dict: ...
     def load_state(self, state: dict) -> None: ...
+    # Optional hooks the controller looks for: warmup_task, teacher_dir, restarts_policy,
+    # prepare_metrics, allows_overlap, and for an algorithm that trains several policies
+    # (CDG's per-role models) `policy_names` (the run's policy first; each gets its own
+    # rollout worker and learner) with `split_by_policy(table) -> {name: rows}`. `prepare`
+    # then runs once per policy's rows; `generate(requests, policy=name)` samples from one.
 
 
 _REGISTRY: dict[str, type] = {}
@@ -103,6 +109,11 @@ def get_algorithm(name: str) -> type:
     return _REGISTRY[name]
 
 
+def policy_names(algorithm) -> tuple[str, ...]:
+    """The policies an algorithm trains, the run's policy first (most train one: "policy")."""
+    return tuple(getattr(algorithm, "policy_names", ("policy",)))
+
+
 def build_algorithm(cfg):
     """The algorithm a JobConfig names, its own keys validated (ConfigError names a bad one)."""
     from rlsys.config import ConfigError, validate_section
@@ -118,7 +129,12 @@ def build_algorithm(cfg):
         if cfg.buffer.max_staleness < 1:
             raise ConfigError("config error: 'trainer.overlap_rollout' trains on rows one policy version old: "
                               "set buffer.max_staleness >= 1")
-    return cls(validate_section(cls.Config, cfg.algorithm_params(), prefix="algorithm"))
+    algorithm = cls(validate_section(cls.Config, cfg.algorithm_params(), prefix="algorithm"))
+    policies = policy_names(algorithm)
+    if len(policies) > 1 and (cfg.rollout.backend != "hf" or cfg.trainer.weight_sync != "object_store"):
+        raise ConfigError(f"config error: algorithm '{cfg.algorithm.name}' trains {len(policies)} policies "
+                          f"({', '.join(policies)}): that needs rollout.backend=hf and trainer.weight_sync=object_store")
+    return algorithm
 
 
 BUILTIN_MODULES = ("ppo", "grpo", "rloo", "vineppo", "pilaf", "ampo", "distill", "cdg", "brite", "rlef")

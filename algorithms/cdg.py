@@ -27,8 +27,13 @@ loss_mask 1 on z and z' only; a critic's row holds its own critique after its co
 prover sample is fine-tuned on z' (and on z when z was right); a kept critique on itself.
 Mode, round, phase, step in phase and the pool are `state()`, so checkpoints hold them.
 
-All roles are one policy (role prompts); separate models per role are not offered (the
-learner and rollout actors serve one policy). `warmup_revision` adds revision turns in the
+Roles and models (`models`): `shared` (the paper's default: one policy, role prompts),
+`prover_critic` (a prover model and one critic model for both critic roles) or `per_role`
+(three models). Every model starts as a copy of the warmed-up policy and learns only from its
+own roles' rows (`split_by_policy`); the controller gives each its rollout worker and learner,
+and the game's sampler sends each context to the model of the role playing it. The prover's
+model is the run's policy (evaluated, exported as hf/); the others are saved beside it in
+checkpoints (learner-<name>/, hf-<name>/). `warmup_revision` adds revision turns in the
 game's format to the supervised warm-up, for a model that has never seen the game.
 """
 from __future__ import annotations
@@ -65,6 +70,8 @@ class CDGConfig(AlgorithmConfig):
     revise_open: str = Field(" final:", min_length=1)
     restate_problem: bool = Field(True, description="end the revision context with the problem asked again")
     warmup_revision: bool = Field(False, description="also warm up on revision turns (a model that has never seen the game)")
+    models: Literal["shared", "prover_critic", "per_role"] = Field(
+        "shared", description="one policy for all roles, a prover and a critic model, or a model per role")
     # online
     clip_eps: float = Field(0.2, gt=0, lt=1)
     kl_coef: float = Field(0.04, ge=0)
@@ -96,6 +103,26 @@ def flip_rate(role: str, finals_ok: Sequence[bool]) -> float:
     if role == "misleading":
         return float(1.0 - ok.mean())
     raise ValueError(f"unknown critic role {role!r} (helpful, misleading)")
+
+
+def role_models(models: str) -> dict[str, str]:
+    """The model that plays each role: one policy ("shared"), a prover and a critic model
+    ("prover_critic"), or one per role ("per_role"). Names are the controller's policy names."""
+    if models == "shared":
+        return {r: "policy" for r in ROLES}
+    if models == "prover_critic":
+        return {"prover": "prover", "helpful": "critic", "misleading": "critic"}
+    if models == "per_role":
+        return {r: r for r in ROLES}
+    raise ValueError(f"unknown CDG models setting {models!r} (shared, prover_critic, per_role)")
+
+
+def rows_per_model(roles: Sequence[str], models: dict[str, str]) -> dict[str, list[int]]:
+    """Row indices by the model their role's tokens train (only models with rows appear)."""
+    out: dict[str, list[int]] = {}
+    for i, role in enumerate(roles):
+        out.setdefault(models[role], []).append(i)
+    return out
 
 
 def rest_keep(role: str, rate: float, final_ok: bool, thresholds: dict[str, float]) -> bool:
@@ -164,6 +191,17 @@ class CDG:
         self.config = config or self.Config()
         self.round, self.phase, self.phase_step = 0, ("play" if self.config.mode == "rest" else "online"), 0
         self.pool: dict[str, list] = {r: [] for r in ROLES}
+        self.models = role_models(self.config.models)
+
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        """The models this run trains, the prover's first (the run's policy)."""
+        return tuple(dict.fromkeys(self.models[r] for r in ROLES))
+
+    def split_by_policy(self, table: pa.Table) -> dict[str, pa.Table]:
+        """Each model's rows: the turns of the roles it plays."""
+        rows = rows_per_model([m["role"] for m in meta_of(table)], self.models)
+        return {name: table.take(rows[name]) for name in self.policy_names if name in rows}
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -188,7 +226,8 @@ class CDG:
         templates = Templates.from_text(ctx.tokenizer, c.helpful_prompt, c.misleading_prompt, c.critique_open, c.revise_open,
                                        c.restate_problem)
         tokens = ctx.sampling().max_new_tokens
-        games = play_games([(p.uid, p.meta, list(p.prompt_ids)) for p in prompts], sampler(ctx), checker(ctx), templates,
+        games = play_games([(p.uid, p.meta, list(p.prompt_ids)) for p in prompts], sampler(ctx, self.models), checker(ctx),
+                           templates,
                            c.solutions, c.critiques, c.finals, tokens, c.critique_tokens or tokens, tokens)
         rows = game_rows(games, templates, c.eta, ctx.policy_version, self.phase, self.round)
         if self.phase == "play":
@@ -289,13 +328,15 @@ def table_phase(table: pa.Table) -> str:
     return json.loads(table.column("meta")[0].as_py())["phase"]
 
 
-def sampler(ctx):
-    """The game's Sampler on the rollout workers: n turns per context at the rollout settings."""
-    def sample(contexts, n: int, max_new_tokens: int) -> list[list[Turn]]:
+def sampler(ctx, models: dict[str, str]):
+    """The game's Sampler on the rollout workers: n turns per context at the rollout settings,
+    each context sampled by the model of the role playing it (one call per model)."""
+    def sample(contexts, n: int, max_new_tokens: int, roles) -> list[list[Turn]]:
         params = ctx.sampling(n=n, seed=ctx.next_seed(), max_new_tokens=max_new_tokens)
         out: list[list[Turn]] = [[] for _ in contexts]
-        for g in ctx.generate([GenerationRequest(list(c), params) for c in contexts]):
-            out[g.request_index].append(Turn(list(g.response_ids), list(g.logprobs), g.finish_reason))
+        for model, ix in rows_per_model(roles, models).items():
+            for g in ctx.generate([GenerationRequest(list(contexts[i]), params) for i in ix], policy=model):
+                out[ix[g.request_index]].append(Turn(list(g.response_ids), list(g.logprobs), g.finish_reason))
         return out
     return sample
 

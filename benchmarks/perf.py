@@ -230,7 +230,7 @@ class Bench:
 
         from actors.learner import Learner
         from actors.rollout import RolloutWorker
-        from rlsys.controller import ActorContext, free_port
+        from rlsys.controller import ActorContext, PolicyActors, free_port
 
         l = self.cfg.learner
         learner = ray.remote(Learner).options(num_cpus=0.5).remote(
@@ -241,7 +241,8 @@ class Bench:
         state = self.weight_sync(learner, workers[0])
         ray.get(workers[0].load_weights.remote(0, state))  # back to version 0, as ActorContext expects
         reqs = self.requests(batch, new)
-        ctxs = [ActorContext(self.cfg, self.tok, self.task, workers[:n], None, None, None, 0) for n in (1, 2)]
+        ctxs = [ActorContext(self.cfg, self.tok, self.task, {"policy": PolicyActors(workers[:n], [])}, None, None, 0)
+                for n in (1, 2)]
         t_one, t_two = paired(lambda: ctxs[0].generate(reqs), lambda: ctxs[1].generate(reqs), self.reps)
         one, two = batch * new / t_one, batch * new / t_two
         self.add(f"scaling: rollout tokens/s, 2 vs 1 workers (batch {batch}, {new} new)", f"{two:.0f}",

@@ -1,6 +1,7 @@
 """The Critic-Discernment Game (../shared/papers/cdg.md) over any verifiable task (`is_correct`).
 
-One game, played by three roles of one policy (role prompts):
+One game, played by three roles (role prompts on one policy, or one model per role: the
+sampler is told which role plays each context):
 
 1. the prover answers the task's prompt: solution z (rationale + answer);
 2. a critic critiques z. Which critic is decided by z's correctness (`critic_role`): a wrong z
@@ -83,8 +84,8 @@ class Game:
     critiques: list[Critique] = field(default_factory=list)
 
 
-# (contexts, n, max_new_tokens) -> n sampled turns per context, in context order
-Sampler = Callable[[Sequence[list[int]], int, int], list[list[Turn]]]
+# (contexts, n, max_new_tokens, role playing each context) -> n sampled turns per context, in context order
+Sampler = Callable[[Sequence[list[int]], int, int, Sequence[str]], list[list[Turn]]]
 # (task row, response token ids) -> is the answer right
 Checker = Callable[[dict, list[int]], bool]
 
@@ -134,16 +135,18 @@ def play_games(problems: Sequence[tuple[str, dict, list[int]]], sample: Sampler,
     critiques from the critic its correctness selects, and each critique `finals` final
     answers from the prover (the repeated play that estimates flip and success rates)."""
     games: list[Game] = []
-    for (uid, row, ids), turns in zip(problems, sample([p[2] for p in problems], solutions, solution_tokens)):
+    provers = lambda contexts: ["prover"] * len(contexts)
+    contexts = [p[2] for p in problems]
+    for (uid, row, ids), turns in zip(problems, sample(contexts, solutions, solution_tokens, provers(contexts))):
         for i, z in enumerate(turns):
             ok = bool(is_correct(row, z.ids))
             games.append(Game(uid, row, list(ids), i, z, ok, critic_role(ok)))
     contexts = [critic_context(templates, g.role, g.problem_ids, g.solution.ids) for g in games]
-    for g, turns in zip(games, sample(contexts, critiques, critique_tokens)):
+    for g, turns in zip(games, sample(contexts, critiques, critique_tokens, [g.role for g in games])):
         g.critiques = [Critique(c) for c in turns]
     pairs = [(g, c) for g in games for c in g.critiques]
     contexts = [revision_context(templates, g.problem_ids, g.solution.ids, c.turn.ids) for g, c in pairs]
-    for (g, c), turns in zip(pairs, sample(contexts, finals, final_tokens)):
+    for (g, c), turns in zip(pairs, sample(contexts, finals, final_tokens, provers(contexts))):
         c.finals = turns
         c.finals_ok = [bool(is_correct(g.row, t.ids)) for t in turns]
     return games

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from algorithms.base import Prompt, build_algorithm
+from algorithms.base import Prompt, build_algorithm, policy_names
 from envs.rewards import build_shaping
 from rlsys.config import ConfigError, JobConfig, dump_config
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
@@ -64,20 +64,49 @@ class PromptStream:
         self._order = self._shuffled(self.epoch)
 
 
-class ActorContext:
-    """The `RolloutContext` algorithms see: actor calls behind plain methods, timed per phase."""
+@dataclasses.dataclass
+class PolicyActors:
+    """The actors of one trained policy: its rollout workers, its learner ranks and the newest
+    weights synced to the workers (None: the initial policy on disk)."""
 
-    def __init__(self, cfg: JobConfig, tokenizer, task, workers, reference, reward, learners, seed: int):
+    workers: list
+    learners: list
+    weights_ref: object = None
+
+
+class ActorContext:
+    """The `RolloutContext` algorithms see: actor calls behind plain methods, timed per phase.
+    `policies` holds every trained policy by name, the first being the run's policy (most
+    algorithms train just that one; CDG with `algorithm.models` trains one per role)."""
+
+    def __init__(self, cfg: JobConfig, tokenizer, task, policies: dict[str, PolicyActors], reference, reward, seed: int):
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
-        self.workers, self.reference, self.reward, self.learners = workers, reference, reward, learners
+        self.policies, self.main_policy = policies, next(iter(policies))
+        self.reference, self.reward = reference, reward
         self.policy_version = 0
         self.rng = np.random.default_rng(seed)
         self.timings: dict[str, float] = defaultdict(float)
         self.tokens_generated = 0
         self.restarted_workers = 0
-        self.weights_ref = None  # the newest synced weights (None: the initial policy on disk)
+        self.reference_version = None  # the policy version the reference holds (None: the initial policy)
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
+
+    @property
+    def workers(self) -> list:
+        return self.policies[self.main_policy].workers
+
+    @property
+    def learners(self) -> list:
+        return self.policies[self.main_policy].learners
+
+    @property
+    def weights_ref(self):
+        return self.policies[self.main_policy].weights_ref
+
+    @weights_ref.setter
+    def weights_ref(self, ref) -> None:
+        self.policies[self.main_policy].weights_ref = ref
 
     @contextmanager
     def timed(self, phase: str):
@@ -94,14 +123,16 @@ class ActorContext:
     def next_seed(self) -> int:
         return int(self.rng.integers(0, 2**31 - 1))
 
-    def generate(self, requests):
-        """Contiguous shares of the requests to each worker; results back in request order.
-        A worker that Ray restarted after a crash comes back with the initial weights: it is
-        given the current ones and its share generated again, so no sample is stale or lost."""
+    def generate(self, requests, policy: str | None = None):
+        """Contiguous shares of the requests to each worker of `policy` (the run's policy when
+        None); results back in request order. A worker that Ray restarted after a crash comes
+        back with the initial weights: it is given the current ones and its share generated
+        again, so no sample is stale or lost."""
+        served = self.policies[policy or self.main_policy]
         with self.timed("generate"):
-            shares = np.array_split(np.arange(len(requests)), len(self.workers))
+            shares = np.array_split(np.arange(len(requests)), len(served.workers))
             calls = []
-            for w, (worker, idx) in enumerate(zip(self.workers, shares)):
+            for w, (worker, idx) in enumerate(zip(served.workers, shares)):
                 if len(idx):
                     part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w)) for i in idx]
                     calls.append((worker, idx, part, worker.generate.remote(part)))
@@ -109,12 +140,12 @@ class ActorContext:
             for worker, idx, part, fut in calls:
                 gens = ray.get(fut)
                 if any(g.policy_version != self.policy_version for g in gens):
-                    if self.weights_ref is None and self.policy_version:  # trainer.weight_sync=broadcast
-                        raise RunFailed(f"rollout worker {self.workers.index(worker)} restarted; the weight-broadcast "
+                    if served.weights_ref is None and self.policy_version:  # trainer.weight_sync=broadcast
+                        raise RunFailed(f"rollout worker {served.workers.index(worker)} restarted; the weight-broadcast "
                                         f"group cannot re-admit it (trainer.weight_sync=broadcast): resume from the "
                                         f"last checkpoint")
                     self.restarted_workers += 1
-                    ray.get(worker.load_weights.remote(self.policy_version, self.weights_ref))
+                    ray.get(worker.load_weights.remote(self.policy_version, served.weights_ref))
                     gens = ray.get(worker.generate.remote(part))
                 for g in gens:
                     g.request_index = int(idx[g.request_index])
@@ -129,6 +160,14 @@ class ActorContext:
     def ref_logprobs(self, table):
         with self.timed("reference"):
             return ray.get(self.reference.logprobs.remote(table))
+
+    def anchor_reference(self) -> None:
+        """Load the learner's current weights into the reference worker: the KL anchor becomes
+        the current policy (BRiTE's P(.|x, theta_t)) until the next call; checkpoints keep it."""
+        with self.timed("reference"):
+            refs = [l.weights.remote() for l in self.learners]  # ZeRO-3: every rank joins the gather
+            ray.get([self.reference.load_weights.remote(refs[0]), *refs[1:]])
+            self.reference_version = self.policy_version
 
     def values(self, table):
         with self.timed("values"):
@@ -152,6 +191,13 @@ class ActorContext:
             return ray.get(self.teacher.top_logprobs.remote(table, k))
 
 
+def rank_means(rank_metrics: list[dict]) -> dict[str, float]:
+    """The learner ranks' step metrics, averaged over the ranks that report each one."""
+    out = {k: float(np.mean([m[k] for m in rank_metrics if k in m])) for k in rank_metrics[0]}
+    out.pop("time/train_rank", None)
+    return out
+
+
 def learner_schedule(cfg: JobConfig) -> dict:
     """The learner's lr schedule in optimizer steps (epochs x minibatches per trainer step)."""
     l = cfg.learner
@@ -173,6 +219,22 @@ class Controller:
         self.evals: list[dict] = []
         self.attached = None  # the run's AttachedEvaluators, opened by run()
         self.restored_evaluators: list[dict] = []  # evaluator specs a restored checkpoint held
+
+    # the run's policy (the first of `self.policies`): its rollout workers and learner ranks
+    @property
+    def workers(self) -> list:
+        return self.policies[next(iter(self.policies))].workers
+
+    @property
+    def learners(self) -> list:
+        return self.policies[next(iter(self.policies))].learners
+
+    @learners.setter
+    def learners(self, learners: list) -> None:
+        self.policies[next(iter(self.policies))].learners = learners
+
+    def all_learners(self) -> list:
+        return [l for p in self.policies.values() for l in p.learners]
 
     # ---- setup -------------------------------------------------------------------------
     def prepare_policy(self) -> Path:
@@ -222,29 +284,30 @@ class Controller:
         teacher_dir = getattr(self.algorithm, "teacher_dir", None)  # DA-KD: trained or checked before any actor
         teacher_dir = teacher_dir and teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)
         opts = dict(max_restarts=-1, max_task_retries=2)
-        self.workers = [
-            ray.remote(RolloutWorker).options(**placement, **opts).remote(
-                str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized,
-                specache=r.specache_settings(), backend_options=vllm_options(cfg, i), decode=r.decode)
-            for i, placement in enumerate(rollout_actor_options(cfg))
-        ]
+        worker = lambda i, **placement: ray.remote(RolloutWorker).options(**placement, **opts).remote(
+            str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized,
+            specache=r.specache_settings(), backend_options=vllm_options(cfg, i), decode=r.decode)
+        workers = [worker(i, **placement) for i, placement in enumerate(rollout_actor_options(cfg))]
         temperature = r.temperature if r.temperature > 0 else 1.0
         self.reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature)
         self.reward = start_reward_actor(cfg.reward, policy_dir, self.task, cfg.run.seed)  # reward.source: rule/model/judge
         port = free_port()
-        self.learners = [
-            ray.remote(Learner).options(num_cpus=0.5, num_gpus=learner_gpus(cfg)).remote(
-                str(policy_dir), self.algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
-                zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
-                threads=l.threads, rank=rank, world_size=l.num_ranks, master_port=port, seed=cfg.run.seed,
-                bf16=l.bf16, **learner_schedule(cfg))
-            for rank in range(l.num_ranks)
-        ]
+        learner = lambda rank, world_size, port, **placement: ray.remote(Learner).options(**placement).remote(
+            str(policy_dir), self.algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
+            zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
+            threads=l.threads, rank=rank, world_size=world_size, master_port=port, seed=cfg.run.seed,
+            bf16=l.bf16, **learner_schedule(cfg))
+        learners = [learner(rank, l.num_ranks, port, num_cpus=0.5, num_gpus=learner_gpus(cfg)) for rank in range(l.num_ranks)]
         self.buffer = ray.remote(ExperienceBuffer).options(num_cpus=0.1).remote(
             cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed)
-        ray.get([a.ready.remote() for a in self.learners])
-        self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.workers, self.reference, self.reward,
-                                self.learners, cfg.run.seed)
+        names = policy_names(self.algorithm)
+        self.policies = {names[0]: PolicyActors(workers, learners)}
+        # further policies (CDG's per-role copies): one CPU rollout worker and one learner rank each, all
+        # from the same initial policy; small CPU shares so they fit beside the run's policy on 2 cores
+        for name in names[1:]:
+            self.policies[name] = PolicyActors([worker(0, num_cpus=0.1)], [learner(0, 1, free_port(), num_cpus=0.1)])
+        ray.get([a.ready.remote() for a in self.all_learners()])
+        self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward, cfg.run.seed)
         if cfg.trainer.weight_sync == "broadcast":
             open_weight_broadcast(cfg, self.learners, self.workers)
             self.weight_manifest = self._from_learners([l.weight_manifest.remote() for l in self.learners])[0]
@@ -290,27 +353,29 @@ class Controller:
             table = ray.get(self.buffer.take.remote())
         lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
         with ctx.timed("prepare"):
-            batch = self.algorithm.prepare(table)
+            batches = {name: self.algorithm.prepare(rows) for name, rows in self._rows_per_policy(table).items()}
+            batches = {name: b for name, b in batches.items() if b is not None}  # None: no update (CDG's ReST play)
             extra = getattr(self.algorithm, "prepare_metrics", lambda t: {})(table)
             if cfg.reward.source == "judge":  # judge/* verdict rates and order disagreements of this step
                 extra.update(ray.get(self.reward.take_metrics.remote()))
-        rank_metrics = [{}]  # prepare -> None: a step that only gathers experience (CDG's ReST play), no update
-        if batch is not None:
+        metrics = {}
+        if batches:
             if getattr(self.algorithm, "restarts_policy", lambda t: False)(table):  # ReST: a round retrains from the start
                 with ctx.timed("restart"):
-                    self._from_learners([l.restart.remote(str(self.policy_dir)) for l in self.learners])
-            training = [l.train_step.remote(s) for l, s in zip(self.learners, batch.split(len(self.learners)))]
+                    self._from_learners([l.restart.remote(str(self.policy_dir)) for l in self.all_learners()])
+            training = {name: [l.train_step.remote(s) for l, s in zip(learners, batch.split(len(learners)))]
+                        for name, batch in batches.items() for learners in [self.policies[name].learners]}
             if overlap and self.step + 1 < cfg.trainer.steps:
                 self.put_rollout()  # the next step's rows, by the current weights, while the learner trains
             with ctx.timed("train"):  # under overlap: the wait left after the next rollout
-                rank_metrics = self._from_learners(training)
+                for name, refs in training.items():  # the run's policy's metrics plain, the others' under "<name>/"
+                    prefix = "" if name == ctx.main_policy else f"{name}/"
+                    metrics.update({prefix + k: v for k, v in rank_means(self._from_learners(refs)).items()})
             with ctx.timed("sync"):
                 self.sync_weights(ctx.policy_version + 1)
         self.step += 1
         rewards = np.asarray(table.column("reward").to_pylist())
         lengths = [len(x) for x in table.column("response_ids").to_pylist()]
-        metrics = {k: float(np.mean([m[k] for m in rank_metrics if k in m])) for k in rank_metrics[0]}
-        metrics.pop("time/train_rank", None)
         metrics.update(extra)
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
@@ -326,6 +391,13 @@ class Controller:
         metrics["perf/tokens_per_s"] = generated / max(ctx.timings.get("generate", 0.0), 1e-9)
         metrics["perf/samples_per_s"] = table.num_rows / metrics["time/step"]
         return metrics
+
+    def _rows_per_policy(self, table):
+        """The step's rows by the policy they train: all to the run's policy, unless the
+        algorithm trains several (`split_by_policy`, e.g. CDG's per-role models)."""
+        if len(self.policies) == 1:
+            return {self.ctx.main_policy: table}
+        return self.algorithm.split_by_policy(table)
 
     def put_rollout(self) -> None:
         """One step's experience from the rollout workers into the buffer."""
@@ -373,10 +445,13 @@ class Controller:
             self._sync_by_broadcast(version)
             ray.get(self.buffer.set_policy_version.remote(version))
             return
-        refs = [l.weights.remote() for l in self.learners]  # all ranks: ZeRO-3 gathers collectively
-        acks = [w.load_weights.remote(version, refs[0]) for w in self.workers]
-        self._from_learners(refs[1:] + acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
-        self.ctx.policy_version, self.ctx.weights_ref = version, refs[0]
+        refs = {name: [l.weights.remote() for l in p.learners] for name, p in self.policies.items()}  # ZeRO-3: all ranks
+        acks = [w.load_weights.remote(version, refs[name][0]) for name, p in self.policies.items() for w in p.workers]
+        gathered = [ref for r in refs.values() for ref in r[1:]]
+        self._from_learners(gathered + acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
+        for name, p in self.policies.items():
+            p.weights_ref = refs[name][0]
+        self.ctx.policy_version = version
         ray.get(self.buffer.set_policy_version.remote(version))
 
     def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
@@ -399,13 +474,17 @@ class Controller:
 
         root = self.run_dir / "checkpoints"
         tmp = checkpoint.staging_dir(root, self.step)
-        ray.get([l.save.remote(str(tmp / "learner")) for l in self.learners])
-        ray.get(self.learners[0].export_hf.remote(str(tmp / "hf")))
+        for name, p in self.policies.items():  # the run's policy in learner/ and hf/, the others beside it
+            ray.get([l.save.remote(str(tmp / policy_subdir("learner", name, self.ctx))) for l in p.learners])
+            ray.get(p.learners[0].export_hf.remote(str(tmp / policy_subdir("hf", name, self.ctx))))
         self.tokenizer.save_pretrained(str(tmp / "hf" / "tokenizer"))
         ray.get(self.buffer.save.remote(str(tmp / "buffer.parquet")))
+        if self.ctx.reference_version is not None:  # a moved KL anchor (BRiTE's theta_t)
+            ray.get(self.reference.save.remote(str(tmp / "reference")))
         state = {
             "step": self.step,
             "policy_version": self.ctx.policy_version,
+            "reference_version": self.ctx.reference_version,
             "data_cursor": self.stream.state(),
             "controller_rng": self.ctx.rng.bit_generator.state,
             "buffer_rng": ray.get(self.buffer.rng_state.remote()),
@@ -427,14 +506,18 @@ class Controller:
             try:
                 checkpoint.verify(path)
                 state = json.loads((path / "state.json").read_text())
-                ray.get([l.load.remote(str(path / "learner")) for l in self.learners])
+                ray.get([l.load.remote(str(path / policy_subdir("learner", name, self.ctx)))
+                         for name, p in self.policies.items() for l in p.learners])
                 ray.get(self.buffer.load.remote(str(path / "buffer.parquet")))
+                anchor = self.policy_dir if state.get("reference_version") is None else path / "reference"
+                ray.get(self.reference.load_weights.remote(None, str(anchor)))
             except Exception as e:  # any unreadable part: report it and try the previous one
                 reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                 nxt = f"falling back to {tried[i + 1].name}" if i + 1 < len(tried) else "no older checkpoint left"
                 print(f"rlsys: checkpoint {path.name} is unreadable ({reason[:200]}); {nxt}", file=sys.stderr)
                 continue
             self.step = state["step"]
+            self.ctx.reference_version = state.get("reference_version")
             self.stream.load_state(state["data_cursor"])
             self.ctx.rng.bit_generator.state = state["controller_rng"]
             ray.get(self.buffer.set_rng_state.remote(state["buffer_rng"]))
@@ -515,6 +598,12 @@ class Controller:
         attached = AttachedEvaluators(self.cfg.run.name)
         write_cluster_info(self.run_dir, self.cfg.run.name)
         return attached
+
+
+def policy_subdir(kind: str, policy: str, ctx: ActorContext) -> str:
+    """A checkpoint's directory of one policy's `kind` (learner, hf): `kind` for the run's
+    policy, `kind-<name>` for a further one."""
+    return kind if policy == ctx.main_policy else f"{kind}-{policy}"
 
 
 def _bar(total: int, desc: str, enabled: bool, initial: int = 0):

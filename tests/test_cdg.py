@@ -42,7 +42,7 @@ class ScriptedSampler:
     final k is right when k is even. Records every context it is asked about."""
 
     def __init__(self, tokenizer):
-        self.tok, self.calls = tokenizer, []
+        self.tok, self.calls, self.roles = tokenizer, [], []
         self.answers = {tuple(ids(tokenizer, r["prompt"])): r["answer"] for _, r in PROBLEMS}
 
     def turn(self, text, n_tokens):
@@ -55,9 +55,10 @@ class ScriptedSampler:
                 return answer
         raise AssertionError("context holds no known problem")
 
-    def __call__(self, contexts, n, max_new_tokens):
+    def __call__(self, contexts, n, max_new_tokens, roles):
         call = len(self.calls)
         self.calls.append([list(c) for c in contexts])
+        self.roles.append(list(roles))
         out = []
         for c in contexts:
             if call == 0:
@@ -130,6 +131,73 @@ def test_critics_see_only_solutions_of_their_kind(tokenizer, templates):
     for context in sampler.calls[2]:
         for prefix in (templates.helpful, templates.misleading):
             assert not any(context[i: i + len(prefix)] == prefix for i in range(len(context)))
+
+    # the sampler is told which role plays each context: the prover for z and z', the critic z selects
+    assert sampler.roles[0] == ["prover"] * len(PROBLEMS) and set(sampler.roles[2]) == {"prover"}
+    assert sampler.roles[1] == [g.role for g in games]
+
+
+class RecordingContext:
+    """Stands in for the controller's ActorContext (this test is about which model is asked, not
+    about sampling): answers every request with the request's index as its one token."""
+
+    def __init__(self):
+        self.asked: list[tuple[str, list]] = []
+
+    def sampling(self, **overrides):
+        from rlsys.generation import SamplingParams
+
+        return SamplingParams(**overrides)
+
+    def next_seed(self):
+        return 0
+
+    def generate(self, requests, policy=None):
+        from rlsys.generation import Generation
+
+        self.asked.append((policy, [list(r.prompt_ids) for r in requests]))
+        return [Generation(request_index=i, prompt_ids=list(r.prompt_ids), response_ids=[i], logprobs=[-1.0],
+                           finish_reason="stop", policy_version=0) for i, r in enumerate(requests)]
+
+
+@pytest.mark.parametrize("models, expected", [
+    ("shared", {"policy": ["prover", "helpful", "misleading", "helpful"]}),
+    ("prover_critic", {"prover": ["prover"], "critic": ["helpful", "misleading", "helpful"]}),
+    ("per_role", {"prover": ["prover"], "helpful": ["helpful", "helpful"], "misleading": ["misleading"]}),
+])
+def test_each_context_is_sampled_by_its_roles_model(models, expected):
+    from algorithms.cdg import role_models, sampler
+
+    ctx, roles = RecordingContext(), ["prover", "helpful", "misleading", "helpful"]
+    contexts = [[10 + i] for i in range(len(roles))]
+    turns = sampler(ctx, role_models(models))(contexts, 1, 4, roles)
+    assert {p: [roles[c[0] - 10] for c in asked] for p, asked in ctx.asked} == expected
+    # turns come back to their own contexts, in context order
+    by_policy = {p: [c[0] for c in asked] for p, asked in ctx.asked}
+    for i, t in enumerate(turns):
+        policy = role_models(models)[roles[i]]
+        assert t[0].ids == [by_policy[policy].index(10 + i)]
+    algo = CDG(CDGConfig(models=models))
+    assert algo.policy_names[0] == role_models(models)["prover"] and set(algo.policy_names) == set(expected)
+
+
+def test_split_by_policy_gives_each_model_its_roles_rows(tokenizer, templates):
+    games, _ = play(tokenizer, templates)
+    table = make_experience(game_rows(games, templates, 0.5, 0, "online"))
+    roles = [m["role"] for m in meta_of(table)]
+    for models in ("shared", "prover_critic", "per_role"):
+        algo = CDG(CDGConfig(models=models))
+        parts = algo.split_by_policy(table)
+        assert list(parts) == [n for n in algo.policy_names if n in parts]
+        assert sum(p.num_rows for p in parts.values()) == table.num_rows
+        for name, part in parts.items():
+            assert {m["role"] for m in meta_of(part)} == {r for r in set(roles) if algo.models[r] == name}
+            batch = algo.prepare(part)  # GRPO groups stay whole: each group is one role's
+            assert batch.advantages.shape == batch.response_mask.shape
+        if models == "per_role":  # a prover row keeps its mask (z and z' only) in the prover's part
+            prover = parts["prover"].to_pylist()
+            full = [r for r in table.to_pylist() if json.loads(r["meta"])["role"] == "prover"]
+            assert [r["loss_mask"] for r in prover] == [r["loss_mask"] for r in full]
 
 
 # ---- ReST --------------------------------------------------------------------------------------
@@ -280,9 +348,13 @@ def test_bad_config_is_one_line_error():
 
     for override, key in [("algorithm.mode=offline", "algorithm.mode"), ("algorithm.eta=-1", "algorithm.eta"),
                           ("algorithm.helpful_threshold=1.5", "algorithm.helpful_threshold"),
-                          ("algorithm.rounds=2", "algorithm.rounds")]:
+                          ("algorithm.rounds=2", "algorithm.rounds"), ("algorithm.models=two", "algorithm.models")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
             build_algorithm(load_config("configs/cdg.yaml", [override]))
+        assert "\n" not in str(e.value)
+    for override in ("rollout.backend=vllm", "trainer.weight_sync=broadcast"):  # one model per role: hf, object store
+        with pytest.raises(ConfigError, match="trains 3 policies") as e:
+            build_algorithm(load_config("configs/cdg.yaml", ["algorithm.models=per_role", override]))
         assert "\n" not in str(e.value)
 
 
@@ -343,3 +415,48 @@ def test_two_steps_on_a_local_cluster(ray_cluster, tmp_path, mode):
     ray_cluster.get(learner.restart.remote(str(tmp_path / mode / "policy_init")))
     restarted = ray_cluster.get(learner.weights.remote())
     assert restarted.keys() == initial.keys() and all(np.array_equal(initial[k], v) for k, v in restarted.items())
+
+
+@pytest.mark.integration
+def test_one_model_per_role_learns_from_its_own_rows_and_resumes(ray_cluster, tmp_path):
+    """algorithm.models=per_role, ReST: three models start from the warmed-up policy; the
+    round's fine-tuning changes exactly the models whose role kept samples; each is saved
+    beside the prover's in the checkpoint and comes back from it on resume."""
+    import numpy as np
+    from actors.modeling import state_dict_numpy
+    from rlsys.controller import Controller
+    from rlsys.models import load_model
+
+    run_dir = tmp_path / "per_role"
+    overrides = [*TINY, *MODES["rest"][0], "algorithm.mode=rest", "algorithm.models=per_role",
+                 f"run.output_dir={tmp_path}", "run.name=per_role"]
+    first = Controller(load_config("configs/cdg.yaml", [*overrides, "trainer.steps=2"]), run_dir, progress=False)
+    first.run()
+    assert list(first.policies) == ["prover", "helpful", "misleading"]
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pool = json.loads((run_dir / "checkpoints" / "step_2" / "state.json").read_text())["algorithm"]["pool"]
+    assert pool["prover"] and rows[1]["loss/sft"] > 0
+    initial = state_dict_numpy(load_model(run_dir / "policy_init"))
+    trained = {}
+    for name, policy in first.policies.items():
+        trained[name] = ray_cluster.get(policy.learners[0].weights.remote())
+        changed = any(not np.array_equal(initial[k], v) for k, v in trained[name].items())
+        assert changed == bool(pool[name]), name  # only its own role's rows train a model
+        assert (f"{name}/loss/sft" in rows[1]) == (bool(pool[name]) and name != "prover")
+        assert ray_cluster.get(policy.workers[0].policy_version.remote()) == 1
+        played = name == "prover" or rows[0][f"cdg/{name}_critiques"] > 0
+        assert (ray_cluster.get(policy.workers[0].stats.remote())["tokens"] > 0) == played, name  # its own worker
+        sub = "" if name == "prover" else f"-{name}"
+        assert (run_dir / "checkpoints" / "step_2" / f"learner{sub}").is_dir()
+        assert (run_dir / "checkpoints" / "step_2" / f"hf{sub}" / "config.json").exists()
+    # the first SFT round fine-tuned the prover and helpful models on different rows: they differ
+    assert pool["helpful"] and any(not np.array_equal(trained["prover"][k], v) for k, v in trained["helpful"].items())
+    for actor in [first.reference, first.reward, first.buffer, *(a for p in first.policies.values()
+                                                               for a in [*p.workers, *p.learners])]:
+        ray_cluster.kill(actor)
+
+    resumed = Controller(load_config("configs/cdg.yaml", [*overrides, "trainer.steps=3"]), run_dir, progress=False)
+    assert resumed.run(resume=True)["steps"] == 3  # step 3 plays: no update, the restored weights serve
+    for name, policy in resumed.policies.items():
+        back = ray_cluster.get(policy.learners[0].weights.remote())
+        assert all(np.array_equal(trained[name][k], v) for k, v in back.items()), name
