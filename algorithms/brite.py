@@ -27,14 +27,16 @@ step samples the rationale, then the answer:
 The psi-step turns r into the sequence return R = r - beta * sum_z (log Q - log P_ref)
 (the Monte Carlo form of the KL-regularised objective, gradient-exact), with a leave-one-out
 baseline over the `group_size` rationales of a prompt, in the clipped surrogate over the
-rationale tokens the policy sampled. Its KL anchor is the reference worker (theta_0), the
-one frozen copy the runtime keeps; the paper anchors on P(.|x, theta_t), which in a shared
-network equals the sampler at the first psi step of a phase (KL and its gradient vanish there).
+rationale tokens the policy sampled. Its KL anchor is P(.|x, theta_t), as on the page
+(`kl_anchor: theta_t`): at the first psi-step of each iteration the reference worker is
+loaded with the current weights (`ctx.anchor_reference`), so the anchor is theta after the
+previous theta-steps and the KL to it starts at zero; checkpoints keep the anchor.
+`kl_anchor: initial` keeps the frozen initial policy instead.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +46,7 @@ from pydantic import Field, field_validator
 from algorithms.base import AlgorithmConfig, ModelOutputs, register, set_token_column
 from algorithms.common import broadcast_to_tokens, clipped_policy_loss, rloo_advantages
 from algorithms.sft import sft_loss
-from envs.arithmetic import ANSWER_MARKER
+from envs.arithmetic import ANSWER_MARKER, carry_dropped_answer, ones_digit_step
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
@@ -61,7 +63,11 @@ class BRiTEConfig(AlgorithmConfig):
     rationale_tokens: int = Field(8, ge=1, description="most sampled tokens of a rationale (a cut one gets the marker appended)")
     answer_tokens: int = Field(4, ge=1, description="most tokens of the sampled answer, eos included")
     kl_coef: float = Field(1.0, ge=0, description="beta; 1 makes the psi-step optimum the posterior")
+    kl_anchor: Literal["theta_t", "initial"] = Field(
+        "theta_t", description="the psi-step's KL reference: theta at the start of the iteration, or the initial policy")
     clip_eps: float = Field(0.2, gt=0, lt=1)
+    warmup: Literal["rationale", "answer"] = Field(
+        "rationale", description="warm-up target: '<rationale>#<answer>' (RationaleWarmupTask) or the bare answer")
 
     @field_validator("theta_steps")
     @classmethod
@@ -139,6 +145,82 @@ def marker_token_id(tokenizer, marker: str = ANSWER_MARKER) -> int:
     return ids[0]
 
 
+# ---- the warm-up in the rationale format ------------------------------------------------------------
+def rationale_target(rationale: int, answer: int) -> str:
+    """The warm-up's target text `<rationale>#<answer>`; the reply ends with eos after it."""
+    return f"{rationale}{ANSWER_MARKER}{answer}"
+
+
+def rationale_row(row: dict, prompt: str) -> dict:
+    """`row` with its "answer" replaced by `<rationale>#<answer>` for `prompt`: the ones-digit step
+    (`envs.arithmetic.ones_digit_step`), then the answer; the gold answer kept in "gold_answer"."""
+    gold = int(str(row["answer"]).strip())  # a non-numeric answer is a ValueError, as a non-arithmetic prompt
+    rationale = ones_digit_step(prompt)
+    return {**row, "answer": rationale_target(rationale, gold), "rationale": str(rationale),
+            "gold_answer": row["answer"]}
+
+
+def carry_dropped_rationale_row(row: dict, prompt: str) -> dict:
+    """A warm-up row (`rationale_row`) as a demonstrator who forgets every carry writes it: the
+    ones step mod 10, then `envs.arithmetic.carry_dropped_answer` ("18+17=" -> "5#25", right:
+    "15#35"); the answer still follows the rationale (it is the rationale plus a multiple of 10).
+    Rows of other operations than addition as they are."""
+    dropped = carry_dropped_answer(prompt)
+    if dropped is None:
+        return row
+    rationale = ones_digit_step(prompt) % 10
+    return {**row, "answer": rationale_target(rationale, int(dropped)), "rationale": str(rationale)}
+
+
+@dataclass
+class RationaleWarmupTask:
+    """The task as BRiTE's supervised warm-up sees it (`BRiTE.warmup_task`): every training row's
+    target is `<rationale>#<answer>` (`rationale_row`), so the warmed-up model writes an
+    intermediate result its answer depends on, in the format the rollout samples. With
+    `sft.demo_error` the warm-up draws carry-dropped rows (`flawed_demonstration`), a rationale
+    prior for the psi-step to correct. Other splits, the prompts, grading (against the gold
+    answer) and the corpus are the task's own."""
+
+    task: object
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def rows(self, split: str) -> list[dict]:
+        rows = self.task.rows(split)
+        if split != "train":
+            return rows
+        return [rationale_row(r, self.task.prompt_text(r)) for r in rows]
+
+    def prompt_text(self, row: dict) -> str:
+        return self.task.prompt_text(row)
+
+    def flawed_demonstration(self, row: dict) -> dict:
+        """A warm-up row as a sloppy demonstrator writes it (`sft.demo_error`): carries dropped in
+        the rationale and the answer (`carry_dropped_rationale_row`)."""
+        return carry_dropped_rationale_row(row, self.task.prompt_text(row))
+
+    def is_correct(self, row: dict, response_text: str) -> bool:
+        return self.task.is_correct(_graded(row), response_text)
+
+    def reward(self, row: dict, response_text: str) -> float:
+        return self.task.reward(_graded(row), response_text)
+
+    def corpus(self) -> list[str]:
+        return self.task.corpus()
+
+
+def _graded(row: dict) -> dict:
+    """The row as the task grades it: a warm-up row's gold answer back under "answer"."""
+    return {**row, "answer": row["gold_answer"]} if "gold_answer" in row else row
+
+
+def longest_rationale_tokens(tokenizer, rows: Sequence[dict]) -> tuple[int, str]:
+    """(token count, text) of the longest rationale among warm-up rows, the marker not counted."""
+    return max((len(tokenizer(r["rationale"], add_special_tokens=False)["input_ids"]), r["rationale"]) for r in rows)
+
+
 # ---- the plug-in ---------------------------------------------------------------------------------
 @register("brite")
 class BRiTE:
@@ -158,6 +240,28 @@ class BRiTE:
             raise ValueError(f"brite: checkpoint state has phase {state.get('phase')!r} (expected psi or theta)")
         self.position = PhasePosition(state["phase"], int(state["iteration"]), int(state["step_in_phase"])).settle(
             self.config.psi_steps, self.config.theta_steps)
+
+    def warmup_task(self, task, tokenizer):
+        """The task the supervised warm-up trains on (the controller's hook): with `warmup:
+        rationale` a RationaleWarmupTask, its rows checked here (arithmetic prompts, the marker one
+        token, rationale + marker within `rationale_tokens`); with `warmup: answer` the task."""
+        from rlsys.config import ConfigError
+
+        c = self.config
+        if c.warmup == "answer":
+            return task
+        warm = RationaleWarmupTask(task)
+        try:
+            marker_token_id(tokenizer)
+            rows = warm.rows("train")
+        except ValueError as e:
+            raise ConfigError(f"config error: 'algorithm.warmup'=rationale: task '{task.name}' has no ones-digit "
+                              f"rationale ({e}); set algorithm.warmup=answer") from None
+        n, text = longest_rationale_tokens(tokenizer, rows)
+        if n + 1 > c.rationale_tokens:
+            raise ConfigError(f"config error: 'algorithm.rationale_tokens'={c.rationale_tokens}: the warm-up rationale "
+                              f"{text!r} and the marker take {n + 1} tokens")
+        return warm
 
     def rollout(self, ctx, prompts) -> pa.Table:
         c, tok, phase = self.config, ctx.tokenizer, self.position.phase
@@ -191,6 +295,8 @@ class BRiTE:
         table = set_token_column(table, "logprobs", [lp[:n] + s[n:] for lp, s, n in zip(
             table.column("logprobs").to_pylist(), scored, lens)])
         if phase == "psi" and c.kl_coef > 0:
+            if c.kl_anchor == "theta_t" and self.position.step_in_phase == 0:
+                ctx.anchor_reference()  # P(.|x, theta_t): the weights the previous theta-steps left
             table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         return table
 

@@ -6,6 +6,7 @@ share a problem.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ def generate_problems(n_train: int, n_eval: int, lo: int, hi: int, ops: Sequence
 def carry_dropped_answer(prompt: str) -> str | None:
     """What a demonstrator who forgets every carry writes for an addition: the digit-wise sums
     mod 10 ("37+58=" -> "85", right: 95). None for any other operation."""
-    left, op, right = _parse(prompt)
+    left, op, right = parse_problem(prompt)
     if op != "+" or left < 0 or right < 0:
         return None
     width = max(len(str(left)), len(str(right)))
@@ -43,7 +44,16 @@ def carry_dropped_answer(prompt: str) -> str | None:
     return str(int("".join(map(str, digits))))
 
 
-def _parse(prompt: str) -> tuple[int, str, int]:
+def ones_digit_step(prompt: str) -> int:
+    """The problem's operation on the operands' ones digits (each signed like its operand), the
+    first step of working it out by hand: "18+17=" -> 15 (8+7: the answer's ones digit 5, carry 1),
+    "37-58=" -> -1 (7-8: a borrow), "17*18=" -> 56 (7*8). The answer is this plus a multiple of 10."""
+    left, op, right = parse_problem(prompt)
+    return _OPS[op](int(math.fmod(left, 10)), int(math.fmod(right, 10)))
+
+
+def parse_problem(prompt: str) -> tuple[int, str, int]:
+    """(left operand, operator, right operand) of a prompt such as "37+58="."""
     body = prompt.rstrip("=")
     for i in range(1, len(body)):  # the operator is the first op symbol after the first character
         if body[i] in _OPS:

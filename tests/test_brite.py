@@ -12,6 +12,7 @@ import torch
 from algorithms.brite import (
     BRiTE,
     PhasePosition,
+    RationaleWarmupTask,
     close_rationale,
     kl_regularised_returns,
     kl_rl_optimum,
@@ -154,6 +155,7 @@ def test_answer_after_the_marker():
     ("algorithm.group_size=1", ["algorithm.group_size", "1", "greater than or equal to 2"]),
     ("algorithm.theta_steps=0", ["algorithm.theta_steps", "0", "psi_steps + theta_steps must be at least 1"]),
     ("algorithm.phases=3", ["unknown key 'algorithm.phases'"]),
+    ("algorithm.warmup=cot", ["algorithm.warmup", "cot", "'rationale' or 'answer'"]),
 ])
 def test_bad_config_fails_in_one_line(override, words):
     from algorithms.base import build_algorithm
@@ -192,7 +194,10 @@ class InProcessContext:
     def policy_logprobs(self, table):
         return self.scorer.logprobs(table)
 
-    ref_logprobs = policy_logprobs
+    ref_logprobs = policy_logprobs  # the reference here is always the current policy:
+
+    def anchor_reference(self):  # so anchoring it at theta_t changes nothing
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +283,108 @@ def test_rollout_needs_temperature_one(tiny):
         BRiTE().rollout(ctx, _prompts(task, tok, 1))
 
 
+# ---- the warm-up in the rationale format -----------------------------------------------------------
+@pytest.mark.parametrize("prompt, step, target", [
+    ("18+17=", 15, "15#35"), ("12+13=", 5, "5#25"), ("9+9=", 18, "18#18"), ("0+0=", 0, "0#0"),
+    ("37-58=", -1, "-1#-21"), ("40-3=", -3, "-3#37"), ("17*18=", 56, "56#306"), ("20*7=", 0, "0#140"),
+])
+def test_rationale_is_the_ones_digit_step(prompt, step, target):
+    from algorithms.brite import rationale_row
+    from envs.arithmetic import _OPS, ones_digit_step, parse_problem
+
+    a, op, b = parse_problem(prompt)
+    assert ones_digit_step(prompt) == step and (_OPS[op](a, b) - step) % 10 == 0  # the answer is the step + 10k
+    row = rationale_row({"prompt": prompt, "answer": str(_OPS[op](a, b))}, prompt)
+    assert row["answer"] == target and row["rationale"] == str(step) and row["gold_answer"] == str(_OPS[op](a, b))
+
+
+def test_rationale_warmup_rows_tokenise_as_rationale_marker_answer_eos(tiny):
+    from algorithms.sft import sft_ids
+    from envs.arithmetic import ones_digit_step
+
+    task, tok, _, _ = tiny
+    warm = BRiTE().warmup_task(task, tok)
+    assert isinstance(warm, RationaleWarmupTask) and warm.name == task.name and warm.corpus() == task.corpus()
+    train, rows = task.rows("train"), warm.rows("train")
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in train]
+    marker, eos = tok("#", add_special_tokens=False)["input_ids"][0], tok.eos_token_id
+    prompts, targets = sft_ids(tok, rows, warm)
+    for row, orig, prompt_ids, target in zip(rows, train, prompts, targets):
+        assert prompt_ids == tok(orig["prompt"], add_special_tokens=False)["input_ids"]
+        z, y = str(ones_digit_step(orig["prompt"])), orig["answer"]
+        digits = [tok(d, add_special_tokens=False)["input_ids"] for d in z + y]
+        assert all(len(d) == 1 for d in digits)  # one token a digit
+        assert target == [d[0] for d in digits[:len(z)]] + [marker] + [d[0] for d in digits[len(z):]] + [eos]
+        assert target.count(marker) == 1 and target.index(marker) + 1 <= BRiTE.Config().rationale_tokens
+        assert warm.is_correct(row, tok.decode(target, skip_special_tokens=True)) and warm.reward(row, "0#" + y) == 1.0
+        assert not warm.is_correct(row, z + "#" + y + "1")
+    assert warm.rows("eval") == task.rows("eval") and warm.prompt_text(rows[0]) == task.prompt_text(train[0])
+
+
+@pytest.mark.parametrize("prompt, answer, flawed", [
+    ("18+17=", "35", "5#25"), ("9+9=", "18", "8#8"), ("12+13=", "25", "5#25"),  # no carry: as it was
+    ("37-58=", "-21", "-1#-21"), ("17*18=", "306", "56#306"),  # other operations: as they were
+])
+def test_flawed_demonstration_drops_carries_in_rationale_and_answer(prompt, answer, flawed):
+    from algorithms.brite import rationale_row
+
+    class Task:
+        name = "arithmetic"
+
+        def rows(self, split):
+            return [{"prompt": prompt, "answer": answer}]
+
+        def prompt_text(self, row):
+            return row["prompt"]
+
+        def is_correct(self, row, text):
+            return text.rsplit("#", 1)[-1] == row["answer"]
+
+    warm = RationaleWarmupTask(Task())
+    row = warm.rows("train")[0]
+    assert row == rationale_row({"prompt": prompt, "answer": answer}, prompt)
+    bad = warm.flawed_demonstration(row)
+    assert bad["answer"] == flawed and bad["rationale"] == flawed.split("#")[0] and bad["gold_answer"] == answer
+    assert warm.is_correct(bad, bad["answer"]) == (flawed == row["answer"])  # graded against the gold answer
+    rationale, final = (int(t) for t in flawed.rsplit("#", 1))
+    assert (final - rationale) % 10 == 0  # the answer still follows the rationale
+
+
+def test_other_operations_and_the_answer_warmup(tmp_path):
+    from envs.arithmetic import ArithmeticTask
+    from rlsys.models import train_tokenizer
+
+    task = ArithmeticTask.create(tmp_path / "data", 60, 10, 0, 19, ["-", "*"], 0)
+    tok = train_tokenizer(task.corpus(), 64)
+    assert BRiTE(BRiTE.Config(warmup="answer")).warmup_task(task, tok) is task
+    marker = tok("#", add_special_tokens=False)["input_ids"][0]
+    for row in BRiTE().warmup_task(task, tok).rows("train"):
+        ids = tok(row["answer"], add_special_tokens=False)["input_ids"]
+        assert ids.count(marker) == 1 and tok.decode(ids) == row["answer"]
+        assert tok.decode(ids[:ids.index(marker)]) == row["rationale"]
+
+
+class ProseTask:
+    name = "prose"
+
+    def rows(self, split):
+        return [{"prompt": "Write a haiku:", "answer": "..."}]
+
+    def prompt_text(self, row):
+        return row["prompt"]
+
+
+@pytest.mark.parametrize("task_kind, config, words", [
+    ("prose", {}, ["'algorithm.warmup'=rationale", "task 'prose'", "set algorithm.warmup=answer"]),
+    ("tiny", {"rationale_tokens": 2}, ["'algorithm.rationale_tokens'=2", "take 3 tokens"]),  # "18" + marker
+])
+def test_warmup_task_errors_in_one_line(tiny, task_kind, config, words):
+    task, tok, _, _ = tiny
+    with pytest.raises(ConfigError) as e:
+        BRiTE(BRiTE.Config(**config)).warmup_task(ProseTask() if task_kind == "prose" else task, tok)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
 # ---- a phase-crossing run on a real local Ray cluster, checkpointed and resumed ---------------------
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -290,33 +397,44 @@ TINY = [
 
 @pytest.mark.integration
 def test_psi_then_theta_across_a_resume_on_a_local_cluster(ray_cluster, tmp_path):
-    """Step 1 (psi) runs and checkpoints; a fresh controller resumes from it and runs step 2,
-    which is the theta-step: the phase came back from the checkpoint."""
+    """Steps 1-3 (psi, theta, psi) run and checkpoint; a fresh controller resumes from step 3
+    and runs step 4, the theta-step: the phase came back from the checkpoint. The psi-step's KL
+    anchor is theta_t: at the first psi-step of each iteration the KL to it is zero, and the
+    anchor (theta after step 2) is saved and restored with the checkpoint."""
+    import numpy as np
+    from actors.modeling import state_dict_numpy
     from rlsys.controller import Controller
+    from rlsys.models import load_model
     from rlsys.tracking import read_jsonl
 
     run_dir = tmp_path / "brite"
     overrides = [*TINY, f"run.output_dir={tmp_path}", "run.name=brite"]
-    first = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=1"]), run_dir, progress=False)
-    assert first.run()["steps"] == 1
-    saved = json.loads((run_dir / "checkpoints" / "step_1" / "state.json").read_text())["algorithm"]
-    assert saved == {"phase": "theta", "iteration": 0, "step_in_phase": 0}
+    first = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=3"]), run_dir, progress=False)
+    assert first.run()["steps"] == 3
+    saved = json.loads((run_dir / "checkpoints" / "step_3" / "state.json").read_text())
+    assert saved["algorithm"] == {"phase": "theta", "iteration": 1, "step_in_phase": 0}
+    assert saved["reference_version"] == 2  # anchored at step 3 on the weights after steps 1-2
+    theta_2 = state_dict_numpy(load_model(run_dir / "checkpoints" / "step_2" / "hf"))
+    initial = state_dict_numpy(load_model(run_dir / "policy_init"))
+    assert any(not np.array_equal(initial[k], v) for k, v in theta_2.items())  # the theta-step moved theta
     for actor in [*first.workers, first.reference, first.reward, *first.learners, first.buffer]:
         ray_cluster.kill(actor)
 
-    resumed = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=2"]), run_dir, progress=False)
-    assert resumed.run(resume=True)["steps"] == 2
+    resumed = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=4"]), run_dir, progress=False)
+    assert resumed.run(resume=True)["steps"] == 4
+    anchor = ray_cluster.get(resumed.reference.__ray_call__.remote(lambda w: state_dict_numpy(w.model)))
+    assert all(np.allclose(theta_2[k], v, atol=1e-6) for k, v in anchor.items())  # theta after step 2, restored
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    psi, theta = rows
-    assert psi["brite/theta_phase"] == 0.0 and theta["brite/theta_phase"] == 1.0
-    assert psi["brite/iteration"] == theta["brite/iteration"] == 0.0
-    assert "loss/psi_policy" in psi and "brite/kl_ref" in psi and "loss/theta_nll" in theta
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["brite/theta_phase"] for r in rows] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["brite/iteration"] for r in rows] == [0.0, 0.0, 1.0, 1.0]
+    for psi in (rows[0], rows[2]):  # sampler == anchor at an iteration's first psi-step: KL 0
+        assert "loss/psi_policy" in psi and abs(psi["brite/kl_ref"]) < 1e-4, psi["brite/kl_ref"]
     for row in rows:
         assert row["samples"] == 4 * 2 and row["brite/shaped_reward"] < 0
         assert 1 <= row["brite/rationale_tokens"] <= 3 + 1  # a cut rationale: 3 sampled tokens + the marker
         assert all(v == v for v in row.values() if isinstance(v, float))  # no NaN
-    assert theta["loss/theta_nll"] > 0
-    assert json.loads((run_dir / "checkpoints" / "step_2" / "state.json").read_text())["algorithm"] == {
-        "phase": "psi", "iteration": 1, "step_in_phase": 0}
-    assert ray_cluster.get(resumed.workers[0].policy_version.remote()) == 2
+    assert rows[1]["loss/theta_nll"] > 0 and rows[3]["loss/theta_nll"] > 0
+    assert json.loads((run_dir / "checkpoints" / "step_4" / "state.json").read_text())["algorithm"] == {
+        "phase": "psi", "iteration": 2, "step_in_phase": 0}
+    assert ray_cluster.get(resumed.workers[0].policy_version.remote()) == 4
