@@ -339,9 +339,7 @@ class Bench:
                               processing_class=tok, callbacks=[Interleave()])
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         trainer.train()
-        for a in [*c.workers, *c.learners, c.reference, c.reward, c.buffer,
-                  *over.workers, *over.learners, over.reference, over.reward, over.buffer]:
-            ray.kill(a)
+        c.shutdown(), over.shutdown()
         samples = prompts * group
         ours_sps, theirs_sps = samples / statistics.median(ours[1:]), samples / statistics.median(theirs[1:])
         over_sps = samples / statistics.median(overlapped[1:])

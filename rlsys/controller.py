@@ -191,6 +191,19 @@ class ActorContext:
             return ray.get(self.teacher.top_logprobs.remote(table, k))
 
 
+def started(first_calls: list, timeout: float) -> None:
+    """Wait for the actors' first calls; RunFailed when they do not answer within `timeout`,
+    naming the cluster's free logical CPUs (a cluster too small for the run's actors, or busy
+    with another run, would otherwise leave them pending without a word)."""
+    ready, pending = ray.wait(first_calls, num_returns=len(first_calls), timeout=timeout)
+    if pending:
+        free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
+        raise RunFailed(f"{len(pending)} of {len(first_calls)} rollout/learner actors did not start within {timeout:.0f} s "
+                        f"(trainer.sync_timeout_s); the cluster has {free:.2f} of {total:.0f} logical CPUs free: another "
+                        f"job on it, or too few CPUs (ray.num_cpus)")
+    ray.get(ready)
+
+
 def rank_means(rank_metrics: list[dict]) -> dict[str, float]:
     """The learner ranks' step metrics, averaged over the ranks that report each one."""
     out = {k: float(np.mean([m[k] for m in rank_metrics if k in m])) for k in rank_metrics[0]}
@@ -306,7 +319,12 @@ class Controller:
         # from the same initial policy; small CPU shares so they fit beside the run's policy on 2 cores
         for name in names[1:]:
             self.policies[name] = PolicyActors([worker(0, num_cpus=0.1)], [learner(0, 1, free_port(), num_cpus=0.1)])
-        ray.get([a.ready.remote() for a in self.all_learners()])
+        try:
+            started([a.ready.remote() for a in self.all_learners()] +
+                    [w.policy_version.remote() for p in self.policies.values() for w in p.workers], cfg.trainer.sync_timeout_s)
+        except RunFailed:
+            self.shutdown()  # none of them stays queued on the cluster
+            raise
         self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward, cfg.run.seed)
         if cfg.trainer.weight_sync == "broadcast":
             open_weight_broadcast(cfg, self.learners, self.workers)
@@ -319,6 +337,12 @@ class Controller:
             self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)
         prompts = [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))]
         self.stream = PromptStream(prompts, cfg.run.seed)
+
+    def shutdown(self) -> None:
+        """Kill the run's actors (a failed start; tests that start a second controller)."""
+        for actor in [self.reference, self.reward, self.buffer, *(a for p in self.policies.values()
+                                                                    for a in [*p.workers, *p.learners])]:
+            ray.kill(actor)
 
     def _check_sandbox(self) -> None:
         """A task that runs code gets the configured backend and limits, or the run stops here

@@ -417,8 +417,7 @@ def test_psi_then_theta_across_a_resume_on_a_local_cluster(ray_cluster, tmp_path
     theta_2 = state_dict_numpy(load_model(run_dir / "checkpoints" / "step_2" / "hf"))
     initial = state_dict_numpy(load_model(run_dir / "policy_init"))
     assert any(not np.array_equal(initial[k], v) for k, v in theta_2.items())  # the theta-step moved theta
-    for actor in [*first.workers, first.reference, first.reward, *first.learners, first.buffer]:
-        ray_cluster.kill(actor)
+    first.shutdown()
 
     resumed = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=4"]), run_dir, progress=False)
     assert resumed.run(resume=True)["steps"] == 4

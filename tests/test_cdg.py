@@ -451,9 +451,7 @@ def test_one_model_per_role_learns_from_its_own_rows_and_resumes(ray_cluster, tm
         assert (run_dir / "checkpoints" / "step_2" / f"hf{sub}" / "config.json").exists()
     # the first SFT round fine-tuned the prover and helpful models on different rows: they differ
     assert pool["helpful"] and any(not np.array_equal(trained["prover"][k], v) for k, v in trained["helpful"].items())
-    for actor in [first.reference, first.reward, first.buffer, *(a for p in first.policies.values()
-                                                               for a in [*p.workers, *p.learners])]:
-        ray_cluster.kill(actor)
+    first.shutdown()
 
     resumed = Controller(load_config("configs/cdg.yaml", [*overrides, "trainer.steps=3"]), run_dir, progress=False)
     assert resumed.run(resume=True)["steps"] == 3  # step 3 plays: no update, the restored weights serve

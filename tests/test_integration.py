@@ -152,3 +152,25 @@ def test_zero3_learner_syncs_its_gathered_weights(ray_cluster, tmp_path):
     assert set(served) == set(learner)
     assert all(np.array_equal(served[k], learner[k]) for k in learner)
     assert any(not np.array_equal(initial[k], learner[k]) for k in learner)
+
+
+def test_actors_the_cluster_cannot_place_fail_in_one_line(ray_cluster, tmp_path):
+    """A cluster whose CPUs another job holds: the run stops with one line saying so, instead of
+    its actors pending forever."""
+    from rlsys.errors import RunFailed
+
+    hog = ray_cluster.remote(num_cpus=ray_cluster.cluster_resources()["CPU"] - 0.5)(type("Hog", (), {"ok": lambda self: 1}))
+    hog = hog.remote()
+    ray_cluster.get(hog.ok.remote())
+    try:
+        with pytest.raises(RunFailed, match=r"did not start within 5 s .* logical CPUs free") as e:
+            run_job(tmp_path, "grpo", ["trainer.steps=1", "trainer.sync_timeout_s=5", "rollout.num_workers=1"])
+        assert "\n" not in str(e.value)
+    finally:
+        ray_cluster.kill(hog)
+    import time
+
+    deadline = time.time() + 30  # nothing of the failed run stays queued: all CPUs come back
+    while ray_cluster.available_resources().get("CPU", 0) < ray_cluster.cluster_resources()["CPU"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert ray_cluster.available_resources().get("CPU", 0) == ray_cluster.cluster_resources()["CPU"]
