@@ -226,9 +226,9 @@ class CDG:
         templates = Templates.from_text(ctx.tokenizer, c.helpful_prompt, c.misleading_prompt, c.critique_open, c.revise_open,
                                        c.restate_problem)
         tokens = ctx.sampling().max_new_tokens
-        games = play_games([(p.uid, p.meta, list(p.prompt_ids)) for p in prompts], sampler(ctx, self.models), checker(ctx),
-                           templates,
-                           c.solutions, c.critiques, c.finals, tokens, c.critique_tokens or tokens, tokens)
+        problems = [(p.uid, p.meta, list(p.prompt_ids)) for p in prompts]
+        games = play_games(problems, sampler(ctx, self.models), checker(ctx), templates, c.solutions, c.critiques, c.finals,
+                           tokens, c.critique_tokens or tokens, tokens)
         rows = game_rows(games, templates, c.eta, ctx.policy_version, self.phase, self.round)
         if self.phase == "play":
             kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], self.thresholds)]

@@ -145,6 +145,8 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     sync_timeout_s: float = Field(120.0, gt=0)
+    start_timeout_s: float = Field(600.0, gt=0, description="the most the run's rollout and learner actors may take to "
+                                   "start (a cluster that cannot place them ends the run in one line)")
     weight_sync: Literal["object_store", "broadcast"] = Field(
         "object_store", description="broadcast: a torch.distributed group from learner rank 0 (NCCL with vllm, else gloo)")
     overlap_rollout: bool = Field(False, description="generate the next step's experience while the learner trains "

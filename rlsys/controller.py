@@ -199,7 +199,7 @@ def started(first_calls: list, timeout: float) -> None:
     if pending:
         free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
         raise RunFailed(f"{len(pending)} of {len(first_calls)} rollout/learner actors did not start within {timeout:.0f} s "
-                        f"(trainer.sync_timeout_s); the cluster has {free:.2f} of {total:.0f} logical CPUs free: another "
+                        f"(trainer.start_timeout_s); the cluster has {free:.2f} of {total:.0f} logical CPUs free: another "
                         f"job on it, or too few CPUs (ray.num_cpus)")
     ray.get(ready)
 
@@ -321,7 +321,7 @@ class Controller:
             self.policies[name] = PolicyActors([worker(0, num_cpus=0.1)], [learner(0, 1, free_port(), num_cpus=0.1)])
         try:
             started([a.ready.remote() for a in self.all_learners()] +
-                    [w.policy_version.remote() for p in self.policies.values() for w in p.workers], cfg.trainer.sync_timeout_s)
+                    [w.policy_version.remote() for p in self.policies.values() for w in p.workers], cfg.trainer.start_timeout_s)
         except RunFailed:
             self.shutdown()  # none of them stays queued on the cluster
             raise

@@ -164,7 +164,7 @@ def test_actors_the_cluster_cannot_place_fail_in_one_line(ray_cluster, tmp_path)
     ray_cluster.get(hog.ok.remote())
     try:
         with pytest.raises(RunFailed, match=r"did not start within 5 s .* logical CPUs free") as e:
-            run_job(tmp_path, "grpo", ["trainer.steps=1", "trainer.sync_timeout_s=5", "rollout.num_workers=1"])
+            run_job(tmp_path, "grpo", ["trainer.steps=1", "trainer.start_timeout_s=5", "rollout.num_workers=1"])
         assert "\n" not in str(e.value)
     finally:
         ray_cluster.kill(hog)
