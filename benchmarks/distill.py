@@ -8,7 +8,14 @@ subset, and, as an ablation, one with the same schedule on random instead of DDS
 with the teacher and the live student served in-process. The held-out loss is the BDL of the
 student to the teacher over the eval split's answer tokens.
 
-    .venv/bin/python benchmarks/distill.py      # ~1-2 min on 2 CPU cores (one thread)
+    .venv/bin/python benchmarks/distill.py      # ~1.5 min on 2 idle CPU cores (one thread), ~3.5 loaded
+
+`--student-pretrain-steps N --student-pretrain-data {train,easy,half}` starts all three students
+from the same pretrained student (N SFT steps on the ground truth of: every training row, the 100
+single-digit sums, or a random half of the training rows), as the paper's students are pretrained
+LMs that already match the teacher on part of the data. The figure of the issue is "sample-steps
+to target": the first held-out evaluation (every `--eval-every` steps and at the end) at which a
+student's BDL is at or below full-data KD's final held-out BDL.
 """
 from __future__ import annotations
 
@@ -82,6 +89,13 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
     ctx = LiveContext(task, tok, teacher, student, args.seed)
     heldout = DAKD(algo.config)
     heldout_batch = heldout.prepare(heldout_table(heldout, ctx, eval_rows))
+    trained, begin_epoch = [], algo.begin_epoch
+
+    def traced_epoch(c):  # which rows each epoch trains on, for the single-digit share below
+        begin_epoch(c)
+        trained.extend(algo.order)
+
+    algo.begin_epoch = traced_epoch
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr)
     steps = schedule_steps(args.num_train, args.epochs, args.batch, schedule)
     decay = (lambda s: 0.5 * (1 + math.cos(math.pi * s / steps))) if args.lr_schedule == "cosine" else (lambda s: 1.0)
@@ -100,9 +114,15 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
         samples += len(batch)
         if step % args.eval_every == 0 or step == steps:
             curve.append((samples, heldout_loss(algo, ctx, heldout_batch)))
+    easy = np.array([single_digit(r) for r in task.rows("train")])
     print(f"  {label:>6}: {steps} steps, {samples} sample-steps, {ctx.scored} scoring forwards, "
-          f"final held-out BDL {curve[-1][1]:.4f}", file=sys.stderr)
+          f"final held-out BDL {curve[-1][1]:.4f}, single-digit share of trained samples "
+          f"{easy[trained].mean():.3f} (of the data {easy.mean():.3f})", file=sys.stderr)
     return curve, accuracy(student.policy, task, tok, eval_rows)
+
+
+def single_digit(row) -> bool:
+    return all(len(t.strip()) == 1 for t in row["prompt"].rstrip("=").split("+"))
 
 
 def heldout_table(algo: DAKD, ctx, rows):
@@ -146,6 +166,17 @@ def with_easy_rows(task: ArithmeticTask, data_dir: Path, fraction: float, seed: 
                           write_rows(mixed(task.rows("eval")), data_dir / "eval.parquet"))
 
 
+def pretrain_rows(task: ArithmeticTask, which: str, seed: int) -> list[dict]:
+    """The student's pretraining rows: the training split, the 100 single-digit sums, or a
+    random half of the training split."""
+    if which == "easy":
+        return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    rows = task.rows("train")
+    if which == "half":
+        rows = [rows[i] for i in np.random.default_rng(seed + 4).permutation(len(rows))[: len(rows) // 2]]
+    return rows
+
+
 def first_reaching(curve, target: float):
     return next((s for s, loss in curve if loss <= target), None)
 
@@ -167,7 +198,11 @@ def main(argv=None) -> int:
     p.add_argument("--teacher", default="128,384,2", help="hidden,intermediate,layers of the teacher")
     p.add_argument("--student", default="48,144,2", help="hidden,intermediate,layers of the student")
     p.add_argument("--teacher-steps", type=int, default=1500)
-    p.add_argument("--student-sft-steps", type=int, default=0, help="warm-up of the student before distillation")
+    p.add_argument("--student-pretrain-steps", "--student-sft-steps", dest="student_pretrain_steps", type=int,
+                   default=0, help="SFT steps of the student before distillation (the same start for all three arms)")
+    p.add_argument("--student-pretrain-data", choices=["train", "easy", "half"], default="train",
+                   help="what the student is pretrained on: every training row, the 100 single-digit sums, "
+                        "or a random half of the training rows")
     p.add_argument("--eval-every", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -195,31 +230,38 @@ def main(argv=None) -> int:
     losses = warmup(teacher_model, tok, task, task.rows("train"), args.teacher_steps, 32, 3e-3, args.seed)
     teacher_dir = save_model_dir(teacher_model, tok, root / "teacher")
     student_model = build_tiny_model(spec(args.student), tok, seed=args.seed + 2)
-    if args.student_sft_steps:  # the paper's students start pretrained: a short warm-up on the task
-        warmup(student_model, tok, task, task.rows("train"), args.student_sft_steps, 32, 3e-3, args.seed + 3)
+    pretrain_losses = []
+    if args.student_pretrain_steps:  # the paper's students start pretrained: SFT on (part of) the task
+        pretrain_losses = warmup(student_model, tok, task, pretrain_rows(task, args.student_pretrain_data, args.seed),
+                                 args.student_pretrain_steps, 32, 3e-3, args.seed + 3)
     args.student_dir = save_model_dir(student_model, tok, root / "student")
     teacher = ReferenceWorker(str(teacher_dir), threads=args.threads)
     print(f"teacher {args.teacher} trained {args.teacher_steps} steps (SFT loss {np.mean(losses[-20:]):.3f}) "
-          f"in {time.perf_counter() - t0:.0f} s; student {args.student}", file=sys.stderr)
+          f"in {time.perf_counter() - t0:.0f} s; student {args.student}"
+          + (f" pretrained {args.student_pretrain_steps} SFT steps on '{args.student_pretrain_data}' rows "
+             f"(SFT loss {np.mean(pretrain_losses[-20:]):.3f})" if pretrain_losses else " from random init"),
+          file=sys.stderr)
     eval_rows = task.rows("eval")
     (full, full_acc), (dakd, dakd_acc), (rand, rand_acc) = (distill(s, args, task, tok, teacher, eval_rows)
                                                             for s in ("full", "cosine", "random"))
     teacher_acc = accuracy(teacher.model, task, tok, eval_rows)
     target = full[-1][1]
-    full_total, full_reach, dakd_reach = full[-1][0], first_reaching(full, target), first_reaching(dakd, target)
+    full_total, full_reach = full[-1][0], first_reaching(full, target)
+    dakd_reach, rand_reach = first_reaching(dakd, target), first_reaching(rand, target)
     print(f"\nDA-KD vs full-data KD, {args.epochs} epochs of {args.num_train} samples, batch {args.batch}, "
           f"BDL lambda {args.lam}, tau {args.tau}; target = full-data KD's final held-out BDL {target:.4f}")
     print(f"{'':24}{'full-data KD':>14}{'DA-KD':>10}{'random subset':>15}")
+    print(f"{'held-out BDL at start':24}{full[0][1]:>14.4f}{dakd[0][1]:>10.4f}{rand[0][1]:>15.4f}")
     print(f"{'sample-steps in total':24}{full_total:>14}{dakd[-1][0]:>10}{rand[-1][0]:>15}")
     print(f"{'final held-out BDL':24}{target:>14.4f}{dakd[-1][1]:>10.4f}{rand[-1][1]:>15.4f}")
     budget = next((loss for s, loss in full if s >= dakd[-1][0]), full[-1][1])
     print(f"{'BDL at DA-KD budget':24}{budget:>14.4f}{dakd[-1][1]:>10.4f}   (full-data KD after {dakd[-1][0]} sample-steps)")
     print(f"{'held-out accuracy':24}{full_acc:>14.3f}{dakd_acc:>10.3f}{rand_acc:>15.3f}   (teacher {teacher_acc:.3f})")
-    print(f"{'sample-steps to target':24}{full_reach:>14}{dakd_reach if dakd_reach is not None else 'never':>10}")
-    if dakd_reach is not None:
-        print(f"ratio DA-KD / full-data KD sample-steps: {dakd_reach / full_total:.3f} (goal <= 0.5)")
-    else:
-        print("ratio: DA-KD did not reach the target within its schedule")
+    never = lambda x: "never" if x is None else x  # noqa: E731
+    print(f"{'sample-steps to target':24}{full_reach:>14}{never(dakd_reach):>10}{never(rand_reach):>15}"
+          f"   (held-out BDL every {args.eval_every} steps)")
+    ratio = lambda x: "never" if x is None else f"{x / full_total:.3f}"  # noqa: E731
+    print(f"{'ratio to full-data KD':24}{1.0:>14.3f}{ratio(dakd_reach):>10}{ratio(rand_reach):>15}   (goal <= 0.5)")
     if args.curves:
         for name, curve in (("full", full), ("DA-KD", dakd), ("random", rand)):
             print(f"{name:>6} curve: " + " ".join(f"{s}:{loss:.3f}" for s, loss in curve))
