@@ -6,7 +6,10 @@ P(z, y | x, theta) = P(z | x, theta) P(y | x, z, theta). Each iteration t altern
       max_Q E_Q[r(z)] - beta KL(Q || P(.|x)),   r(z) = log P(y* | x, z, theta)      (shaped reward)
     whose optimum is Q*(z) ∝ P(z|x) exp(r(z)/beta): for beta = 1 the posterior P(z | x, y*);
   theta-step (`theta_steps` learner steps): max_theta E_{z~Q_psi} log P(z, y* | x, theta),
-    the likelihood of the sampled rationale followed by the gold answer (sft_loss).
+    the likelihood of the sampled rationale followed by the gold answer (sft_loss). With
+    `theta_weights: posterior` each row is weighted toward Q* by self-normalised importance
+    weights within its prompt's group (`posterior_weights`), for a psi-step that has not
+    converged: an option, not the page's method (default `none`).
 As on the page, one network is both Q_psi and P_theta; phase and iteration are algorithm
 state, saved in checkpoints, so a resumed run continues inside the same phase.
 
@@ -66,6 +69,8 @@ class BRiTEConfig(AlgorithmConfig):
     kl_anchor: Literal["theta_t", "initial"] = Field(
         "theta_t", description="the psi-step's KL reference: theta at the start of the iteration, or the initial policy")
     clip_eps: float = Field(0.2, gt=0, lt=1)
+    theta_weights: Literal["none", "posterior"] = Field(
+        "none", description="theta-step rows as sampled, or weighted toward the psi-step's optimum Q* (posterior_weights)")
     warmup: Literal["rationale", "answer"] = Field(
         "rationale", description="warm-up target: '<rationale>#<answer>' (RationaleWarmupTask) or the bare answer")
 
@@ -124,6 +129,27 @@ def kl_rl_optimum(log_prior, rewards, beta: float = 1.0) -> np.ndarray:
     logits = np.asarray(log_prior, np.float64) + np.asarray(rewards, np.float64) / beta
     q = np.exp(logits - logits.max())
     return q / q.sum()
+
+
+def posterior_weights(rewards, logq, logp_anchor, groups: Sequence[str]) -> np.ndarray:
+    """Self-normalised importance weights, per prompt group, of rationales z ~ Q toward the
+    psi-step's optimum Q*(z) ∝ P(z|x, theta_t) exp(r(z)): w ∝ exp(r + log P_anchor(z) - log Q(z)),
+    scaled to mean 1 within each group. The theta-step's weighted likelihood then estimates
+    E_{Q*} log P(z, y*|x, theta) when the psi-step's sampler has not reached Q*
+    (`theta_weights: posterior`; with Q = Q* the weights are all 1 in expectation)."""
+    log_w = np.asarray(rewards, np.float64) + np.asarray(logp_anchor, np.float64) - np.asarray(logq, np.float64)
+    _, group = np.unique(np.asarray(groups), return_inverse=True)
+    top = np.full(group.max() + 1, -np.inf)
+    np.maximum.at(top, group, log_w)
+    w = np.exp(log_w - top[group])
+    total, size = np.bincount(group, weights=w), np.bincount(group)
+    return w * size[group] / total[group]
+
+
+def weighted_sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """-sum_i w_i sum_t m_it log p_it / sum m: the likelihood loss with per-sequence weights
+    (weights 1: `sft_loss`)."""
+    return -(weights[:, None] * logprobs * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def close_rationale(tokens: Sequence[int], logprobs: Sequence[float], marker: int, eos: int):
@@ -294,9 +320,11 @@ class BRiTE:
                                  pa.array(shaped_rewards(scored, lens), type=pa.float32()))
         table = set_token_column(table, "logprobs", [lp[:n] + s[n:] for lp, s, n in zip(
             table.column("logprobs").to_pylist(), scored, lens)])
-        if phase == "psi" and c.kl_coef > 0:
-            if c.kl_anchor == "theta_t" and self.position.step_in_phase == 0:
-                ctx.anchor_reference()  # P(.|x, theta_t): the weights the previous theta-steps left
+        uses_anchor = c.kl_coef > 0 or c.theta_weights == "posterior"
+        first_of_iteration = self.position.step_in_phase == 0 and (phase == "psi" or c.psi_steps == 0)
+        if uses_anchor and c.kl_anchor == "theta_t" and first_of_iteration:
+            ctx.anchor_reference()  # P(.|x, theta_t): the weights the previous theta-steps left
+        if (phase == "psi" and c.kl_coef > 0) or (phase == "theta" and c.theta_weights == "posterior"):
             table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         return table
 
@@ -310,9 +338,14 @@ class BRiTE:
 
     @staticmethod
     def _rationale_logprob_sums(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """Sums of the sampler's and the anchor's logprobs over each row's sampled rationale tokens
+        (an appended marker, an environment token, left out)."""
+        masks = [[1] * (n - 1) + [int(m["marker_sampled"])] for n, m in zip(
+            table.column("rationale_len").to_pylist(), meta_of(table))]
+
         def sums(column):
             return np.array([sum(v for v, m in zip(lp, mask) if m) for lp, mask in zip(
-                table.column(column).to_pylist(), table.column("loss_mask").to_pylist())])
+                table.column(column).to_pylist(), masks)])
         return sums("logprobs"), sums("ref_logprobs")
 
     def prepare(self, table: pa.Table) -> TrainBatch:
@@ -327,6 +360,11 @@ class BRiTE:
         if phase == "psi":
             adv = rloo_advantages(self.returns(table), table.column("group").to_pylist())
             batch.advantages = broadcast_to_tokens(torch.tensor(adv, dtype=torch.float32), batch.response_mask)
+        elif self.config.theta_weights == "posterior":
+            logq, logp = self._rationale_logprob_sums(table)
+            weights = posterior_weights(table.column("shaped_reward").to_pylist(), logq, logp,
+                                        table.column("group").to_pylist())
+            batch.extras["weight"] = torch.tensor(weights, dtype=torch.float32)
         self.position = self.position.advance(self.config.psi_steps, self.config.theta_steps)
         return batch
 
@@ -344,6 +382,10 @@ class BRiTE:
         if phase == "psi" and self.config.kl_coef > 0:
             logq, logp = self._rationale_logprob_sums(table)
             out["brite/kl_ref"] = float(np.mean(logq - logp))
+        if phase == "theta" and self.config.theta_weights == "posterior":  # effective sample size / rows
+            logq, logp = self._rationale_logprob_sums(table)
+            w = posterior_weights(table.column("shaped_reward").to_pylist(), logq, logp, table.column("group").to_pylist())
+            out["brite/theta_ess"] = float(w.sum() ** 2 / (len(w) * (w ** 2).sum()))
         return out
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
@@ -353,6 +395,9 @@ class BRiTE:
         mask = batch.response_mask
         if theta[0] > 0.5:
             loss = sft_loss(outputs.logprobs, mask)
+            if "weight" in batch.extras:  # theta_weights: posterior
+                weighted = weighted_sft_loss(outputs.logprobs, mask, batch.extras["weight"])
+                return weighted, {"loss/theta_nll": loss.item(), "loss/theta_weighted_nll": weighted.item()}
             return loss, {"loss/theta_nll": loss.item()}
         loss, clip_frac, approx_kl = clipped_policy_loss(outputs.logprobs, batch.old_logprobs, batch.advantages, mask,
                                                          self.config.clip_eps)

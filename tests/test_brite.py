@@ -17,7 +17,9 @@ from algorithms.brite import (
     kl_regularised_returns,
     kl_rl_optimum,
     phase_at,
+    posterior_weights,
     shaped_rewards,
+    weighted_sft_loss,
 )
 from algorithms.common import clipped_policy_loss, rloo_advantages
 from algorithms.sft import sft_loss
@@ -49,6 +51,39 @@ def test_closed_form_optimum_is_the_bayes_posterior_and_the_maximiser():
     prior, r = np.array([0.7, 0.2, 0.1]), np.log([0.1, 0.5, 0.9])
     assert kl_rl_optimum(np.log(prior), r, beta=1e-3) == pytest.approx([0, 0, 1], abs=1e-9)
     assert kl_rl_optimum(np.log(prior), r, beta=1e6) == pytest.approx(prior, abs=1e-5)
+
+
+def test_posterior_weights_take_samples_of_any_sampler_to_the_posterior():
+    """theta_weights: posterior. Rationales drawn from a sampler Q far from Q*, weighted by
+    `posterior_weights` (anchor P = the prior, r = log P(o=1|x,z)), have the weighted
+    frequencies of Q* = P(z|x, o=1) as the group grows (self-normalised per group: biased toward
+    the sampler for small groups, still closer to Q* than the unweighted samples); weights have
+    mean 1 per group and are shift-invariant."""
+    rng = np.random.default_rng(0)
+    prior, success = np.array([0.5, 0.25, 0.15, 0.1]), np.array([0.05, 0.6, 0.2, 0.9])
+    posterior = prior * success / np.sum(prior * success)
+    sampler = np.array([0.1, 0.1, 0.7, 0.1])  # an unconverged psi-step: mostly rationale 2
+    for size, tolerance in ((256, 0.01), (4, None)):
+        n_groups = 64_000 // size
+        z = rng.choice(4, size=(n_groups, size), p=sampler).ravel()
+        groups = [str(i // size) for i in range(len(z))]
+        w = posterior_weights(np.log(success)[z], np.log(sampler)[z], np.log(prior)[z], groups)
+        assert np.allclose(w.reshape(n_groups, size).mean(1), 1.0)
+        weighted = np.bincount(z, weights=w, minlength=4) / w.sum()
+        unweighted = np.bincount(z, minlength=4) / len(z)
+        if tolerance:
+            assert weighted == pytest.approx(posterior, abs=tolerance)
+        assert np.abs(weighted - posterior).sum() < 0.6 * np.abs(unweighted - posterior).sum()
+        shifted = posterior_weights(np.log(success)[z] - 5.0, np.log(sampler)[z], np.log(prior)[z], groups)
+        assert shifted == pytest.approx(w)
+
+
+def test_weighted_sft_loss_reduces_to_the_likelihood_loss():
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.1, 0.2, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert weighted_sft_loss(logp, mask, torch.ones(2)) == pytest.approx(sft_loss(logp, mask).item())
+    only_first = weighted_sft_loss(logp, mask, torch.tensor([2.0, 0.0]))  # a zero weight drops a row's tokens
+    assert only_first.item() == pytest.approx(-2 * (math.log(0.5) + math.log(0.25)) / 5)
 
 
 def test_psi_step_estimator_converges_to_the_posterior():
@@ -400,7 +435,8 @@ def test_psi_then_theta_across_a_resume_on_a_local_cluster(ray_cluster, tmp_path
     """Steps 1-3 (psi, theta, psi) run and checkpoint; a fresh controller resumes from step 3
     and runs step 4, the theta-step: the phase came back from the checkpoint. The psi-step's KL
     anchor is theta_t: at the first psi-step of each iteration the KL to it is zero, and the
-    anchor (theta after step 2) is saved and restored with the checkpoint."""
+    anchor (theta after step 2) is saved and restored with the checkpoint. The theta-steps run
+    with posterior weights (theta_weights: posterior)."""
     import numpy as np
     from actors.modeling import state_dict_numpy
     from rlsys.controller import Controller
@@ -408,7 +444,7 @@ def test_psi_then_theta_across_a_resume_on_a_local_cluster(ray_cluster, tmp_path
     from rlsys.tracking import read_jsonl
 
     run_dir = tmp_path / "brite"
-    overrides = [*TINY, f"run.output_dir={tmp_path}", "run.name=brite"]
+    overrides = [*TINY, f"run.output_dir={tmp_path}", "run.name=brite", "algorithm.theta_weights=posterior"]
     first = Controller(load_config("configs/brite.yaml", [*overrides, "trainer.steps=3"]), run_dir, progress=False)
     assert first.run()["steps"] == 3
     saved = json.loads((run_dir / "checkpoints" / "step_3" / "state.json").read_text())
@@ -433,7 +469,8 @@ def test_psi_then_theta_across_a_resume_on_a_local_cluster(ray_cluster, tmp_path
         assert row["samples"] == 4 * 2 and row["brite/shaped_reward"] < 0
         assert 1 <= row["brite/rationale_tokens"] <= 3 + 1  # a cut rationale: 3 sampled tokens + the marker
         assert all(v == v for v in row.values() if isinstance(v, float))  # no NaN
-    assert rows[1]["loss/theta_nll"] > 0 and rows[3]["loss/theta_nll"] > 0
+    for theta in (rows[1], rows[3]):  # theta_weights=posterior: weighted by the anchor, the sampler and r
+        assert theta["loss/theta_nll"] > 0 and theta["loss/theta_weighted_nll"] > 0 and 0 < theta["brite/theta_ess"] <= 1
     assert json.loads((run_dir / "checkpoints" / "step_4" / "state.json").read_text())["algorithm"] == {
         "phase": "psi", "iteration": 2, "step_in_phase": 0}
     assert ray_cluster.get(resumed.workers[0].policy_version.remote()) == 4
