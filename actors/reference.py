@@ -1,6 +1,7 @@
 """Reference worker: a frozen copy of the initial policy that scores responses' logprobs.
 An algorithm whose KL anchor moves (BRiTE's P(.|x, theta_t)) loads the current policy into
-it (`load_weights`); checkpoints then keep that anchor (`save`, `load`)."""
+it (`load_weights(weights)`); checkpoints then keep that anchor (`save`, and on resume
+`load_weights(None, dir)`)."""
 from __future__ import annotations
 
 import pyarrow as pa
