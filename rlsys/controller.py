@@ -231,6 +231,8 @@ class Controller:
         self.step = 0
         self.evals: list[dict] = []
         self.attached = None  # the run's AttachedEvaluators, opened by run()
+        self.buffer_calls: list = []  # buffer calls in flight (put, set_policy_version), awaited with the next one
+        self.prefetched = False  # the buffer holds the next step's rows (trainer.overlap_rollout)
         self.restored_evaluators: list[dict] = []  # evaluator specs a restored checkpoint held
 
     # the run's policy (the first of `self.policies`): its rollout workers and learner ranks
@@ -371,10 +373,14 @@ class Controller:
         start = time.perf_counter()
         overlap = cfg.trainer.overlap_rollout
         # under overlap_rollout the previous step left this step's rows in the buffer (checkpointed with it)
-        if not (overlap and self.step > 0 and ray.get(self.buffer.stats.remote())["size"] > 0):
+        if not (overlap and self.prefetched):
             self.put_rollout()
         with ctx.timed("buffer"):
-            table = ray.get(self.buffer.take.remote())
+            table = self._buffer_get(self.buffer.take.remote())
+        if table.num_rows == 0 and overlap and self.prefetched:  # the prefetched rows were dropped (staleness)
+            self.put_rollout()
+            table = self._buffer_get(self.buffer.take.remote())
+        self.prefetched = False
         lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
         with ctx.timed("prepare"):
             batches = {name: self.algorithm.prepare(rows) for name, rows in self._rows_per_policy(table).items()}
@@ -391,6 +397,7 @@ class Controller:
                         for name, batch in batches.items() for learners in [self.policies[name].learners]}
             if overlap and self.step + 1 < cfg.trainer.steps:
                 self.put_rollout()  # the next step's rows, by the current weights, while the learner trains
+                self.prefetched = True
             with ctx.timed("train"):  # under overlap: the wait left after the next rollout
                 for name, refs in training.items():  # the run's policy's metrics plain, the others' under "<name>/"
                     prefix = "" if name == ctx.main_policy else f"{name}/"
@@ -424,10 +431,15 @@ class Controller:
         return self.algorithm.split_by_policy(table)
 
     def put_rollout(self) -> None:
-        """One step's experience from the rollout workers into the buffer."""
+        """One step's experience from the rollout workers into the buffer (the put is awaited
+        with the next buffer call: an actor runs one caller's calls in order)."""
         table = self.algorithm.rollout(self.ctx, self.stream.next(self.cfg.trainer.prompts_per_step))
-        with self.ctx.timed("buffer"):
-            ray.get(self.buffer.put.remote(table))
+        self.buffer_calls.append(self.buffer.put.remote(table))
+
+    def _buffer_get(self, ref):
+        """The result of a buffer call, after the buffer calls still in flight (their errors surface here)."""
+        pending, self.buffer_calls = self.buffer_calls, []
+        return ray.get([*pending, ref])[-1]
 
     def _from_learners(self, refs: list) -> list:
         """`ray.get` of learner calls; a dead rank ends the run with one line naming it and the
@@ -467,7 +479,7 @@ class Controller:
         (or over the broadcast group under trainer.weight_sync=broadcast)."""
         if self.cfg.trainer.weight_sync == "broadcast":
             self._sync_by_broadcast(version)
-            ray.get(self.buffer.set_policy_version.remote(version))
+            self.buffer_calls.append(self.buffer.set_policy_version.remote(version))
             return
         refs = {name: [l.weights.remote() for l in p.learners] for name, p in self.policies.items()}  # ZeRO-3: all ranks
         acks = [w.load_weights.remote(version, refs[name][0]) for name, p in self.policies.items() for w in p.workers]
@@ -476,7 +488,7 @@ class Controller:
         for name, p in self.policies.items():
             p.weights_ref = refs[name][0]
         self.ctx.policy_version = version
-        ray.get(self.buffer.set_policy_version.remote(version))
+        self.buffer_calls.append(self.buffer.set_policy_version.remote(version))
 
     def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
         """Accuracy on a split through the rollout workers (current policy version): greedy
@@ -502,7 +514,7 @@ class Controller:
             ray.get([l.save.remote(str(tmp / policy_subdir("learner", name, self.ctx))) for l in p.learners])
             ray.get(p.learners[0].export_hf.remote(str(tmp / policy_subdir("hf", name, self.ctx))))
         self.tokenizer.save_pretrained(str(tmp / "hf" / "tokenizer"))
-        ray.get(self.buffer.save.remote(str(tmp / "buffer.parquet")))
+        self._buffer_get(self.buffer.save.remote(str(tmp / "buffer.parquet")))
         if self.ctx.reference_version is not None:  # a moved KL anchor (BRiTE's theta_t)
             ray.get(self.reference.save.remote(str(tmp / "reference")))
         state = {
@@ -545,6 +557,7 @@ class Controller:
             self.stream.load_state(state["data_cursor"])
             self.ctx.rng.bit_generator.state = state["controller_rng"]
             ray.get(self.buffer.set_rng_state.remote(state["buffer_rng"]))
+            self.prefetched = ray.get(self.buffer.stats.remote())["size"] > 0  # overlap: rows saved with the checkpoint
             self.algorithm.load_state(state["algorithm"])
             self.restored_evaluators = state.get("evaluators", [])
             self.sync_weights(state["policy_version"])
