@@ -50,6 +50,7 @@ from algorithms.base import AlgorithmConfig, ModelOutputs, register, set_token_c
 from algorithms.common import broadcast_to_tokens, clipped_policy_loss, rloo_advantages
 from algorithms.sft import sft_loss
 from envs.arithmetic import ANSWER_MARKER, carry_dropped_answer, ones_digit_step
+from envs.base import TrainSplitView
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
@@ -199,7 +200,7 @@ def carry_dropped_rationale_row(row: dict, prompt: str) -> dict:
 
 
 @dataclass
-class RationaleWarmupTask:
+class RationaleWarmupTask(TrainSplitView):
     """The task as BRiTE's supervised warm-up sees it (`BRiTE.warmup_task`): every training row's
     target is `<rationale>#<answer>` (`rationale_row`), so the warmed-up model writes an
     intermediate result its answer depends on, in the format the rollout samples. With
@@ -207,20 +208,8 @@ class RationaleWarmupTask:
     prior for the psi-step to correct. Other splits, the prompts, grading (against the gold
     answer) and the corpus are the task's own."""
 
-    task: object
-
-    @property
-    def name(self) -> str:
-        return self.task.name
-
-    def rows(self, split: str) -> list[dict]:
-        rows = self.task.rows(split)
-        if split != "train":
-            return rows
+    def train_rows(self, rows: list[dict]) -> list[dict]:
         return [rationale_row(r, self.task.prompt_text(r)) for r in rows]
-
-    def prompt_text(self, row: dict) -> str:
-        return self.task.prompt_text(row)
 
     def flawed_demonstration(self, row: dict) -> dict:
         """A warm-up row as a sloppy demonstrator writes it (`sft.demo_error`): carries dropped in
@@ -232,9 +221,6 @@ class RationaleWarmupTask:
 
     def reward(self, row: dict, response_text: str) -> float:
         return self.task.reward(_graded(row), response_text)
-
-    def corpus(self) -> list[str]:
-        return self.task.corpus()
 
 
 def _graded(row: dict) -> dict:

@@ -121,6 +121,9 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
     return curve, accuracy(student.policy, task, tok, eval_rows)
 
 
+SINGLE_DIGIT_SUMS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+
+
 def single_digit(row) -> bool:
     return all(len(t.strip()) == 1 for t in row["prompt"].rstrip("=").split("+"))
 
@@ -154,11 +157,10 @@ def with_easy_rows(task: ArithmeticTask, data_dir: Path, fraction: float, seed: 
     from envs.datasets import write_rows
 
     rng = np.random.default_rng(seed)
-    easy = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
 
     def mixed(rows):
         n_easy = int(round(fraction * len(rows)))
-        picked = [easy[i] for i in rng.integers(0, len(easy), n_easy)]
+        picked = [SINGLE_DIGIT_SUMS[i] for i in rng.integers(0, len(SINGLE_DIGIT_SUMS), n_easy)]
         out = rows[: len(rows) - n_easy] + picked
         return [out[i] for i in rng.permutation(len(out))]
 
@@ -170,7 +172,7 @@ def pretrain_rows(task: ArithmeticTask, which: str, seed: int) -> list[dict]:
     """The student's pretraining rows: the training split, the 100 single-digit sums, or a
     random half of the training split."""
     if which == "easy":
-        return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+        return SINGLE_DIGIT_SUMS
     rows = task.rows("train")
     if which == "half":
         rows = [rows[i] for i in np.random.default_rng(seed + 4).permutation(len(rows))[: len(rows) // 2]]

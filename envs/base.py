@@ -19,6 +19,37 @@ class Task(Protocol):
     def is_correct(self, row: dict, response_text: str) -> bool: ...
 
 
+@dataclass
+class TrainSplitView:
+    """A task as a supervised warm-up sees it: only the train split's rows change
+    (`train_rows`); the other splits, prompts, grading, reward and corpus are the task's own."""
+
+    task: Task
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def rows(self, split: str) -> list[dict]:
+        rows = self.task.rows(split)
+        return self.train_rows(rows) if split == "train" else rows
+
+    def train_rows(self, rows: list[dict]) -> list[dict]:
+        return rows
+
+    def prompt_text(self, row: dict) -> str:
+        return self.task.prompt_text(row)
+
+    def is_correct(self, row: dict, response_text: str) -> bool:
+        return self.task.is_correct(row, response_text)
+
+    def reward(self, row: dict, response_text: str) -> float:
+        return self.task.reward(row, response_text)
+
+    def corpus(self) -> list[str]:
+        return self.task.corpus()
+
+
 class Env(Protocol):
     def reset(self, row: dict) -> str: ...
     def step(self, text: str) -> tuple[str | None, float, bool, dict]: ...

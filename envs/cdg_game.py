@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from envs.base import TrainSplitView
+
 ROLES = ("prover", "helpful", "misleading")
 
 
@@ -153,28 +155,20 @@ def play_games(problems: Sequence[tuple[str, dict, list[int]]], sample: Sampler,
 
 
 @dataclass
-class RevisionWarmupTask:
+class RevisionWarmupTask(TrainSplitView):
     """The task for the supervised warm-up of a model that has never seen the game (a tiny model
     trained from scratch; the paper starts from an instruct model that follows role prompts):
     every training row once as it is and once as a prover's revision turn (an earlier answer,
     right or wrong at random, a critique of random digits, the problem asked again) with the gold
     answer as target. Other splits and the reward are the task's own."""
 
-    task: object
     critique_open: str
     revise_open: str
     eos: str  # the tokenizer's stop token as text: a turn ends with it in the game's transcripts
     restate_problem: bool = True
     seed: int = 0
 
-    @property
-    def name(self) -> str:
-        return self.task.name
-
-    def rows(self, split: str) -> list[dict]:
-        rows = self.task.rows(split)
-        if split != "train":
-            return rows
+    def train_rows(self, rows: list[dict]) -> list[dict]:
         import random
 
         rng = random.Random(self.seed)
@@ -189,12 +183,3 @@ class RevisionWarmupTask:
 
     def prompt_text(self, row: dict) -> str:
         return row.get("revision_prompt") or self.task.prompt_text(row)
-
-    def is_correct(self, row: dict, response_text: str) -> bool:
-        return self.task.is_correct(row, response_text)
-
-    def reward(self, row: dict, response_text: str) -> float:
-        return self.task.reward(row, response_text)
-
-    def corpus(self) -> list[str]:
-        return self.task.corpus()
