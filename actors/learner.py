@@ -154,10 +154,13 @@ class Learner:
         self.engine.train()
         for _ in range(self.epochs):
             for mb in batch.split(self.minibatches):
-                mb = mb.trim().to(self.device)
+                mb, scale, skipped = self._rows_with_gradient(mb.trim())
+                mb = mb.to(self.device)
                 logits, logprobs, values = self.engine(mb.input_ids, mb.attention_mask, self.temperature)
                 loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
+                loss = loss * scale if scale != 1.0 else loss
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
+                metrics["rows_without_gradient"] = skipped
                 self.engine.backward(loss)
                 self.engine.step()
                 metrics["loss"] = loss.item()
@@ -172,6 +175,24 @@ class Learner:
         out["time/train_rank"] = time.perf_counter() - start
         out["train_tokens"] = float(batch.num_tokens())
         return out
+
+    def _rows_with_gradient(self, mb):
+        """(the minibatch's rows whose loss term can have a gradient, the factor that rescales
+        their token-mean loss to the whole minibatch's tokens, the share of rows left out).
+        Leaving out rows the algorithm's `gradient_rows` says add nothing (GRPO's groups with
+        equal rewards and no KL term) gives the same gradient for less compute; a minibatch
+        with none keeps one row at factor 0, so the optimizer still steps on a zero gradient."""
+        gradient_rows = getattr(self.algorithm, "gradient_rows", None)
+        if gradient_rows is None:
+            return mb, 1.0, 0.0
+        keep = gradient_rows(mb)
+        if bool(keep.all()):
+            return mb, 1.0, 0.0
+        skipped = 1.0 - float(keep.float().mean())
+        if not bool(keep.any()):
+            return mb.select(slice(0, 1)).trim(), 0.0, skipped
+        kept = mb.select(keep).trim()
+        return kept, kept.num_tokens() / max(mb.num_tokens(), 1), skipped
 
     @torch.no_grad()
     def values(self, table: pa.Table) -> list[list[float]]:

@@ -81,6 +81,9 @@ class Algorithm(Protocol):
     # (CDG's per-role models) `policy_names` (the run's policy first; each gets its own
     # rollout worker and learner) with `split_by_policy(table) -> {name: rows}`. `prepare`
     # then runs once per policy's rows; `generate(requests, policy=name)` samples from one.
+    # The learner looks for `gradient_rows(batch) -> bool[B]`: rows whose loss term has no
+    # gradient are left out of the forward and backward (the loss must be a token mean over
+    # `response_mask`: the learner rescales it to the whole minibatch's tokens).
 
 
 _REGISTRY: dict[str, type] = {}

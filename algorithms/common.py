@@ -103,6 +103,16 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: floa
     return loss, clip_frac, approx_kl
 
 
+def rows_with_gradient(batch, kl_coef: float) -> torch.Tensor:
+    """Rows whose term in `clipped_policy_loss_with_kl` can have a non-zero gradient: a row
+    whose advantage is 0 at every token adds 0 * ratio to the surrogate (clipped or not), so
+    without the KL term it adds nothing but tokens to the mean's denominator (a GRPO/RLOO group
+    whose rewards are all equal). With kl_coef > 0 every row counts."""
+    if kl_coef > 0:
+        return torch.ones(len(batch), dtype=torch.bool)
+    return ((batch.advantages != 0) & (batch.response_mask > 0)).any(dim=1)
+
+
 def clipped_policy_loss_with_kl(logprobs, batch, clip_eps: float, kl_coef: float):
     """The PPO clipped surrogate on `batch.advantages` plus `kl_coef * k3(pi, ref)` as a loss
     (GRPO's objective, shared by the algorithms built on it). Returns (loss, metrics)."""

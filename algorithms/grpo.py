@@ -13,7 +13,8 @@ import torch
 from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, rewards_of, sample_groups
-from algorithms.common import broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats
+from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
+                               rows_with_gradient)
 from rlsys.batch import TrainBatch, collate
 
 
@@ -47,6 +48,9 @@ class GRPO(StatelessMixin):
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
+
+    def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
+        return rows_with_gradient(batch, self.config.kl_coef)
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)

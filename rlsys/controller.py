@@ -91,6 +91,7 @@ class ActorContext:
         self.reference_version = None  # the policy version the reference holds (None: the initial policy)
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
+        self.sync_in_flight = None  # waits for the last weight sync (Controller.sync_weights sends it unawaited)
 
     @property
     def workers(self) -> list:
@@ -123,11 +124,20 @@ class ActorContext:
     def next_seed(self) -> int:
         return int(self.rng.integers(0, 2**31 - 1))
 
+    def settle_sync(self) -> None:
+        """Wait for the weight sync sent last; its errors (a dead learner rank, a worker that
+        did not acknowledge in time) surface here."""
+        pending, self.sync_in_flight = self.sync_in_flight, None
+        if pending is not None:
+            with self.timed("sync"):
+                pending()
+
     def generate(self, requests, policy: str | None = None):
         """Contiguous shares of the requests to each worker of `policy` (the run's policy when
         None); results back in request order. A worker that Ray restarted after a crash comes
         back with the initial weights: it is given the current ones and its share generated
         again, so no sample is stale or lost."""
+        self.settle_sync()
         served = self.policies[policy or self.main_policy]
         with self.timed("generate"):
             shares = np.array_split(np.arange(len(requests)), len(served.workers))
@@ -476,7 +486,12 @@ class Controller:
 
     def sync_weights(self, version: int) -> None:
         """Learner rank 0 -> every rollout worker through the object store, as numpy arrays
-        (or over the broadcast group under trainer.weight_sync=broadcast)."""
+        (or over the broadcast group under trainer.weight_sync=broadcast).
+        The object-store sync is sent, not awaited: an actor runs its calls in order, so the
+        learner hands out these weights before its next step and a worker loads them before
+        its next generate; the controller waits for it (`ctx.settle_sync`) only before it next
+        generates or checkpoints, meanwhile taking and preparing the next batch."""
+        self.ctx.settle_sync()
         if self.cfg.trainer.weight_sync == "broadcast":
             self._sync_by_broadcast(version)
             self.buffer_calls.append(self.buffer.set_policy_version.remote(version))
@@ -484,7 +499,8 @@ class Controller:
         refs = {name: [l.weights.remote() for l in p.learners] for name, p in self.policies.items()}  # ZeRO-3: all ranks
         acks = [w.load_weights.remote(version, refs[name][0]) for name, p in self.policies.items() for w in p.workers]
         gathered = [ref for r in refs.values() for ref in r[1:]]
-        self._from_learners(gathered + acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
+        timeout = self.cfg.trainer.sync_timeout_s
+        self.ctx.sync_in_flight = lambda: self._from_learners(gathered + acknowledged(acks, version, timeout))
         for name, p in self.policies.items():
             p.weights_ref = refs[name][0]
         self.ctx.policy_version = version
@@ -508,6 +524,7 @@ class Controller:
         RNG states, algorithm state, step/version, config and an HF export; atomically."""
         from rlsys import checkpoint
 
+        self.ctx.settle_sync()  # a checkpoint is written only after its weights reached the workers
         root = self.run_dir / "checkpoints"
         tmp = checkpoint.staging_dir(root, self.step)
         for name, p in self.policies.items():  # the run's policy in learner/ and hf/, the others beside it
@@ -616,6 +633,7 @@ class Controller:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}")
             bar.update()
         bar.close()
+        self.ctx.settle_sync()
         for row in self.attached.drain():
             tracker.log_eval(*row)
         self.attached.close()

@@ -5,7 +5,7 @@ import torch
 
 from algorithms.common import (
     clipped_policy_loss, clipped_value_loss, gae, grpo_advantages, k3_kl, kl_penalised_rewards,
-    masked_mean, masked_whiten, rloo_advantages,
+    masked_mean, masked_whiten, rloo_advantages, rows_with_gradient,
 )
 
 
@@ -59,6 +59,20 @@ def test_grpo_advantages_sum_to_zero_per_group_and_match_formula():
 
 def test_grpo_constant_group_has_zero_advantage():
     assert np.allclose(grpo_advantages(np.ones(4), ["g"] * 4), 0.0)
+
+
+def test_rows_with_gradient_are_those_with_a_non_zero_advantage_unless_kl_counts():
+    from rlsys.batch import TrainBatch
+
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    adv = torch.tensor([[0.0, 0.5, 0.5], [3.0, 0.0, 3.0], [0.0, 0.0, 0.0]])  # row 1: non-zero only off the mask
+    batch = TrainBatch(torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), mask, advantages=adv)
+    assert rows_with_gradient(batch, kl_coef=0.0).tolist() == [True, False, False]
+    assert rows_with_gradient(batch, kl_coef=0.01).tolist() == [True, True, True]
+    # a zero-advantage row's surrogate has no gradient, clipped or not
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    clipped_policy_loss(logp, torch.tensor([[0.0, -3.0, -0.1]]), torch.zeros(1, 3), torch.ones(1, 3))[0].backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 3))
 
 
 def test_rloo_leave_one_out():

@@ -94,6 +94,85 @@ def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cl
     assert ray_cluster.get(worker.pid.remote()) != pid
 
 
+def test_weight_sync_is_sent_unawaited_and_its_failure_surfaces_at_the_next_generate(ray_cluster, tmp_path):
+    import time
+
+    from rlsys.controller import Controller
+    from rlsys.generation import GenerationRequest
+    from rlsys.placement import WeightSyncTimeout
+
+    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=unawaited",
+                                                  "trainer.sync_timeout_s=1"])
+    c = Controller(cfg, tmp_path / "unawaited", progress=False)
+    c.start_actors(c.prepare_policy())
+    requests = [GenerationRequest(p.prompt_ids, c.ctx.sampling(n=2, seed=5)) for p in c.stream.next(4)]
+    busy = c.workers[1].__ray_call__.remote(lambda self: time.sleep(4))  # cannot load weights for 4 s
+    c.sync_weights(1)  # returns although worker 1 cannot acknowledge within sync_timeout_s
+    assert c.ctx.policy_version == 1
+    with pytest.raises(WeightSyncTimeout, match="policy version 1 did not complete within 1 s \\(1 of 2 rollout"):
+        c.ctx.generate(requests)
+    ray_cluster.get(busy)
+    c.sync_weights(2)
+    gens = c.ctx.generate(requests)  # each worker loaded version 2 before generating: no restart, no stale row
+    assert {g.policy_version for g in gens} == {2} and c.ctx.restarted_workers == 0
+    assert sorted(g.request_index for g in gens) == sorted(list(range(4)) * 2)
+    c.shutdown()
+
+
+def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray_cluster, tmp_path):
+    """GRPO groups with equal rewards (no KL term) are left out of the learner's forward and
+    backward; its loss and its AdamW steps are those of plain torch on every row."""
+    import numpy as np
+    import torch
+
+    from actors.learner import Learner
+    from actors.modeling import PolicyOnly
+    from algorithms.base import ModelOutputs
+    from algorithms.grpo import GRPO
+    from rlsys.batch import collate
+    from rlsys.controller import free_port
+    from rlsys.experience import make_experience
+    from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir, train_tokenizer
+
+    tok = train_tokenizer([f"{a}+{b}={a + b}" for a in range(30) for b in range(30)], vocab_size=64)
+    model_dir = save_model_dir(build_tiny_model(TinyModelSpec(hidden_size=32, intermediate_size=64,
+                                                              num_hidden_layers=2, vocab_size=64), tok, seed=4),
+                               tok, tmp_path / "policy")
+    policy = PolicyOnly(load_model(str(model_dir)))
+    rng = np.random.default_rng(0)
+
+    def batch(rewards):  # groups of 4, responses of 1-6 tokens, old logprobs of the current weights
+        rows = [dict(uid=f"{i}", group=str(i // 4), prompt_ids=rng.integers(3, 64, 5).tolist(),
+                     response_ids=rng.integers(3, 64, rng.integers(1, 7)).tolist(), logprobs=[], reward=float(r),
+                     policy_version=0, meta={}) for i, r in enumerate(rewards)]
+        with torch.no_grad():
+            b = collate(make_experience(rows))
+            old = policy(b.input_ids, b.attention_mask)[1]
+        for row, lp, m in zip(rows, old, b.response_mask):
+            row["logprobs"] = lp[m > 0].tolist()
+        return algo.prepare(make_experience(rows))
+
+    algo = GRPO(GRPO.Config(group_size=4, kl_coef=0.0))
+    steps = [batch([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]),  # two groups of equal rewards
+             batch([0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]),  # three
+             batch([1, 1, 1, 1] * 4)]  # every group: the step's gradient is zero
+    learner = ray_cluster.remote(Learner).remote(str(model_dir), algo, lr=1e-2, grad_clip=0.0, master_port=free_port())
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
+    for b, left_out in zip(steps, [0.5, 0.75, 1.0]):
+        metrics = ray_cluster.get(learner.train_step.remote(b))
+        logits, logprobs, _ = policy(b.input_ids, b.attention_mask)
+        loss = algo.loss(ModelOutputs(logits, logprobs), b)[0]  # every row
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert metrics["rows_without_gradient"] == left_out
+        assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
+    theirs = ray_cluster.get(learner.weights.remote())
+    for name, p in policy.policy.state_dict().items():
+        np.testing.assert_allclose(theirs[name], p.detach().numpy(), atol=1e-4, err_msg=name)
+    ray_cluster.kill(learner)
+
+
 def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_cluster, tmp_path):
     import os
     import signal
