@@ -352,6 +352,10 @@ class Controller:
 
     def shutdown(self) -> None:
         """Kill the run's actors (a failed start; tests that start a second controller)."""
+        try:  # a weight sync still in flight finishes first (its actors are about to go)
+            self.ctx.settle_sync()
+        except Exception:  # noqa: BLE001 - a failed run's sync may have failed with it
+            pass
         for actor in [self.reference, self.reward, self.buffer, *(a for p in self.policies.values()
                                                                     for a in [*p.workers, *p.learners])]:
             ray.kill(actor)
