@@ -330,12 +330,15 @@ def table_phase(table: pa.Table) -> str:
 
 def sampler(ctx, models: dict[str, str]):
     """The game's Sampler on the rollout workers: n turns per context at the rollout settings,
-    each context sampled by the model of the role playing it (one call per model)."""
+    each context sampled by the model of the role playing it (the models side by side)."""
     def sample(contexts, n: int, max_new_tokens: int, roles) -> list[list[Turn]]:
         params = ctx.sampling(n=n, seed=ctx.next_seed(), max_new_tokens=max_new_tokens)
         out: list[list[Turn]] = [[] for _ in contexts]
-        for model, ix in rows_per_model(roles, models).items():
-            for g in ctx.generate([GenerationRequest(list(contexts[i]), params) for i in ix], policy=model):
+        per_model = rows_per_model(roles, models)
+        gens = ctx.generate_each({model: [GenerationRequest(list(contexts[i]), params) for i in ix]
+                                  for model, ix in per_model.items()})
+        for model, ix in per_model.items():
+            for g in gens[model]:
                 out[ix[g.request_index]].append(Turn(list(g.response_ids), list(g.logprobs), g.finish_reason))
         return out
     return sample

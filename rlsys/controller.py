@@ -137,19 +137,28 @@ class ActorContext:
         None); results back in request order. A worker that Ray restarted after a crash comes
         back with the initial weights: it is given the current ones and its share generated
         again, so no sample is stale or lost."""
+        policy = policy or self.main_policy
+        return self.generate_each({policy: requests})[policy]
+
+    def generate_each(self, requests_by_policy: dict) -> dict:
+        """`generate` for several policies at once (CDG's per-role models): every worker's share
+        is sent before any is awaited, so the models' workers generate side by side."""
         self.settle_sync()
-        served = self.policies[policy or self.main_policy]
         with self.timed("generate"):
-            shares = np.array_split(np.arange(len(requests)), len(served.workers))
             calls = []
-            for w, (worker, idx) in enumerate(zip(served.workers, shares)):
-                if len(idx):
-                    part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w)) for i in idx]
-                    calls.append((worker, idx, part, worker.generate.remote(part)))
-            out = []
-            for worker, idx, part, fut in calls:
+            for policy, requests in requests_by_policy.items():
+                served = self.policies[policy]
+                shares = np.array_split(np.arange(len(requests)), len(served.workers))
+                for w, (worker, idx) in enumerate(zip(served.workers, shares)):
+                    if len(idx):
+                        part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w))
+                                for i in idx]
+                        calls.append((policy, worker, idx, part, worker.generate.remote(part)))
+            out = {policy: [] for policy in requests_by_policy}
+            for policy, worker, idx, part, fut in calls:
                 gens = ray.get(fut)
                 if any(g.policy_version != self.policy_version for g in gens):
+                    served = self.policies[policy]
                     if served.weights_ref is None and self.policy_version:  # trainer.weight_sync=broadcast
                         raise RunFailed(f"rollout worker {served.workers.index(worker)} restarted; the weight-broadcast "
                                         f"group cannot re-admit it (trainer.weight_sync=broadcast): resume from the "
@@ -159,8 +168,8 @@ class ActorContext:
                     gens = ray.get(worker.generate.remote(part))
                 for g in gens:
                     g.request_index = int(idx[g.request_index])
-                    out.append(g)
-            self.tokens_generated += sum(len(g.response_ids) for g in out)
+                    out[policy].append(g)
+            self.tokens_generated += sum(len(g.response_ids) for gens in out.values() for g in gens)
             return out
 
     def score(self, table):

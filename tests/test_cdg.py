@@ -159,6 +159,9 @@ class RecordingContext:
         return [Generation(request_index=i, prompt_ids=list(r.prompt_ids), response_ids=[i], logprobs=[-1.0],
                            finish_reason="stop", policy_version=0) for i, r in enumerate(requests)]
 
+    def generate_each(self, requests_by_policy):
+        return {policy: self.generate(requests, policy) for policy, requests in requests_by_policy.items()}
+
 
 @pytest.mark.parametrize("models, expected", [
     ("shared", {"policy": ["prover", "helpful", "misleading", "helpful"]}),
