@@ -5,8 +5,9 @@ What it saves over `generate` on a small model (profiled on the quickstart's, ba
 the DynamicCache grows by `torch.cat` every step (27% of generate's CPU time), causal masks
 are rebuilt per step, and `multinomial` draws an exponential per vocabulary entry. Here the
 KV cache is preallocated once for prompt + new tokens and written in place, attention reads
-only the filled prefix, a token is drawn by one uniform per row (inverse CDF), and rows that
-have stopped leave the batch, so the cost follows the live rows.
+only the filled prefix, a token is drawn by one uniform per row (inverse CDF), rows that
+have stopped leave the batch, so the cost follows the live rows, and a prompt sampled n times
+(a GRPO group) is prefilled once.
 
 The model's own modules do the arithmetic (embedding, projections, norms, rotary, MLP), so
 weights loaded into the model (weight sync, re-quantisation) are what this loop uses; logits
@@ -155,13 +156,21 @@ class LeanDecoder:
         return core.norm(h)
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, total: int) -> "DecodeStream":
-        """Prefill a left-padded prompt batch into a fresh cache of `total` slots."""
+        """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that
+        fills several rows (n samples of one prompt, GRPO's group) is prefilled once and its
+        cache copied to each of its rows."""
         weight = self.model.lm_head.weight
+        distinct, row_of = torch.unique(torch.cat([input_ids, attention_mask.long()], 1), dim=0, return_inverse=True)
+        repeated = len(distinct) < len(input_ids)
+        if repeated:
+            input_ids, attention_mask = distinct[:, : input_ids.shape[1]], distinct[:, input_ids.shape[1]:]
         shape = (input_ids.shape[0], self.num_kv_heads, total, self.head_dim)
         cache = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.model.layers]
         stream = DecodeStream(self, cache, self.fused_weights(), self.rotary_tables(total, weight))
         stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0, attention_mask.bool(),
                                      stream.fused, stream.rotary)[:, -1]
+        if repeated:
+            stream.keep(row_of)
         return stream
 
     @torch.no_grad()
@@ -226,7 +235,10 @@ class DecodeStream:
         return self.decoder.model.lm_head(self.hidden).float()
 
     def keep(self, rows: torch.Tensor) -> None:
+        """The batch becomes these rows of the current one (rows may repeat)."""
         self.cache = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cache]
+        if self.hidden is not None:
+            self.hidden = self.hidden.index_select(0, rows)
 
     def step(self, token: torch.Tensor, position: torch.Tensor, slot: int, key_ok: torch.Tensor) -> None:
         """Append one token per row at cache `slot`."""

@@ -58,6 +58,30 @@ def test_greedy_tokens_and_logprobs_match_generate(make):
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("make", [qwen2, llama])
+def test_a_prompt_sampled_n_times_is_prefilled_once_and_decodes_as_generate(make, monkeypatch):
+    from actors.lean_decode import LeanDecoder
+
+    model = make()
+    prefills = []
+    forward = LeanDecoder.forward
+
+    def recording_forward(self, ids, *args):  # calls through: records the prefill's batch rows
+        if ids.shape[1] > 1:
+            prefills.append(ids.shape[0])
+        return forward(self, ids, *args)
+
+    monkeypatch.setattr(LeanDecoder, "forward", recording_forward)
+    params = SamplingParams(n=3, max_new_tokens=8, temperature=0.0)
+    requests = [GenerationRequest(p, params) for p in [*PROMPTS, PROMPTS[1]]]  # a prompt in two requests too
+    lean, plain = both(model, requests)
+    assert prefills == [len(PROMPTS)]  # 15 rows, 4 distinct prompts
+    key = lambda g: (g.request_index, g.response_ids)  # noqa: E731
+    assert sorted(map(key, lean)) == sorted(map(key, plain)) and len(lean) == 3 * len(requests)
+    for a, b in zip(sorted(lean, key=key), sorted(plain, key=key)):
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)])
 def test_sampled_tokens_follow_the_warped_softmax(temperature, top_k, top_p):
     """Token frequencies match transformers' temperature -> top-k -> top-p distribution, and
