@@ -156,7 +156,8 @@ class Learner:
             for mb in batch.split(self.minibatches):
                 mb, scale, skipped = self._rows_with_gradient(mb.trim())
                 mb = mb.to(self.device)
-                logits, logprobs, values = self.engine(mb.input_ids, mb.attention_mask, self.temperature)
+                logits, logprobs, values = self.engine(mb.input_ids, mb.attention_mask, self.temperature,
+                                                       mb.response_mask)  # rows sharing a prompt run it once
                 loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
                 loss = loss * scale if scale != 1.0 else loss
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses

@@ -34,6 +34,41 @@ def forward_logprobs(model, input_ids, attention_mask, temperature: float = 1.0)
     return logits[:, :-1], target_logprobs(logits, input_ids), out.hidden_states[-1]
 
 
+def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature: float = 1.0):
+    """`forward_logprobs`' (logits, logprobs) for rows that share prompts (a GRPO group's G
+    responses), running each distinct prompt once: its keys and values serve every row that
+    starts with it, and gradients flow back through them. Rows are right-padded prompt +
+    response (rlsys.batch); the prompt ends where `response_mask` starts. Positions before a
+    row's last prompt token are not computed (logits 0, as no loss reads them). None when no
+    prompt repeats (then the plain forward is as cheap)."""
+    b, length = input_ids.shape
+    plen = response_mask.gt(0).float().argmax(1) + 1  # the first response token's target index + 1
+    p = int(plen.max())
+    keyed = torch.where(torch.arange(p, device=input_ids.device)[None] < plen[:, None], input_ids[:, :p], -1)
+    distinct, row_of = torch.unique(keyed, dim=0, return_inverse=True)
+    if len(distinct) == b:
+        return None
+    prompt_mask = distinct.ge(0).long()
+    prefix = model(input_ids=distinct.clamp(min=0), attention_mask=prompt_mask, use_cache=True)
+    cache = prefix.cache
+    cache.batch_select_indices(row_of)  # each row reads its prompt's keys and values
+    lengths = attention_mask.sum(1)
+    positions = plen[:, None] + torch.arange(int((lengths - plen).max()), device=input_ids.device)[None]  # [B, R]
+    real = positions < lengths[:, None]
+    rest_ids = torch.where(real, input_ids.gather(1, positions.clamp(max=length - 1)), 0)
+    rest = model(input_ids=rest_ids, attention_mask=torch.cat([prompt_mask[row_of], real.long()], 1),
+                 position_ids=positions, cache=cache, use_cache=True)
+    logits = rest.logits.new_zeros(b, length - 1, rest.logits.shape[-1])
+    rows = torch.arange(b, device=input_ids.device)
+    logits[rows, plen - 1] = prefix.logits[row_of, plen - 1]  # the first response token's distribution
+    inside = positions < length - 1  # continuation position t predicts the token at t + 1
+    logits[rows[:, None].expand_as(positions)[inside], positions[inside]] = rest.logits[inside]
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return logits, logprobs
+
+
 class PolicyWithValueHead(nn.Module):
     """A causal LM with a scalar value head on its last hidden state (PPO's critic).
     V at position t is the value of the state whose next token is input_ids[t+1]."""
@@ -45,9 +80,9 @@ class PolicyWithValueHead(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, temperature: float = 1.0):
+    def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
         logits, logprobs, hidden = forward_logprobs(self.policy, input_ids, attention_mask, temperature)
-        values = self.value_head(hidden[:, :-1].float()).squeeze(-1)
+        values = self.value_head(hidden[:, :-1].float()).squeeze(-1)  # every position: no shared prompts
         return logits, logprobs, values
 
 
@@ -58,7 +93,12 @@ class PolicyOnly(nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, input_ids, attention_mask, temperature: float = 1.0):
+    def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
+        """With `response_mask` (the learner's batches), prompts shared by several rows run once."""
+        shared = None if response_mask is None else shared_prompt_logprobs(
+            self.policy, input_ids, attention_mask, response_mask, temperature)
+        if shared is not None:
+            return (*shared, None)
         logits, logprobs, _ = forward_logprobs(self.policy, input_ids, attention_mask, temperature)
         return logits, logprobs, None
 

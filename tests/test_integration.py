@@ -121,7 +121,8 @@ def test_weight_sync_is_sent_unawaited_and_its_failure_surfaces_at_the_next_gene
 
 def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray_cluster, tmp_path):
     """GRPO groups with equal rewards (no KL term) are left out of the learner's forward and
-    backward; its loss and its AdamW steps are those of plain torch on every row."""
+    backward, and each group's prompt runs once; its loss and its AdamW steps are those of plain
+    torch on every row."""
     import numpy as np
     import torch
 
@@ -141,8 +142,9 @@ def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray
     policy = PolicyOnly(load_model(str(model_dir)))
     rng = np.random.default_rng(0)
 
-    def batch(rewards):  # groups of 4, responses of 1-6 tokens, old logprobs of the current weights
-        rows = [dict(uid=f"{i}", group=str(i // 4), prompt_ids=rng.integers(3, 64, 5).tolist(),
+    def batch(rewards):  # groups of 4 sharing a prompt, responses of 1-6 tokens, old logprobs of the current weights
+        prompts = [rng.integers(3, 64, rng.integers(2, 8)).tolist() for _ in range(len(rewards) // 4)]
+        rows = [dict(uid=f"{i}", group=str(i // 4), prompt_ids=prompts[i // 4],
                      response_ids=rng.integers(3, 64, rng.integers(1, 7)).tolist(), logprobs=[], reward=float(r),
                      policy_version=0, meta={}) for i, r in enumerate(rewards)]
         with torch.no_grad():

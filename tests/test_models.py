@@ -26,3 +26,39 @@ def test_same_seed_same_weights():
     spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     a, b = build_tiny_model(spec, seed=3), build_tiny_model(spec, seed=3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients():
+    """The learner's forward (PolicyOnly with a response mask): each distinct prompt runs once and
+    its keys/values serve its group's rows; every trainable position's logprob and the gradient
+    are the plain forward's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.modeling import PolicyOnly, shared_prompt_logprobs
+    from rlsys.batch import collate_ids
+
+    spec = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(4)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 2, 7)]
+    rows = [(p, torch.randint(3, 64, (1 + (i + k) % 4,), generator=g).tolist()) for i, p in enumerate(prompts)
+            for k in range(3)]
+    # a multi-turn row: environment tokens (mask 0) inside the response still get their context
+    rows.append((prompts[0], [9, 10, 11, 12, 13]))
+    masks = [None] * (len(rows) - 1) + [[1, 1, 0, 0, 1]]
+    batch = collate_ids([p for p, _ in rows], [r for _, r in rows], masks)
+    trainable = batch.response_mask > 0
+    for model in (build_tiny_model(spec, seed=3), llama):
+        policy = PolicyOnly(model)
+        _, plain, _ = policy(batch.input_ids, batch.attention_mask, 0.7)
+        logits, shared, _ = policy(batch.input_ids, batch.attention_mask, 0.7, batch.response_mask)
+        assert logits[0, 0].abs().sum() == 0  # the first prompt token was not recomputed per row
+        assert torch.allclose(plain[trainable], shared[trainable], atol=1e-5)
+        grads = [torch.autograd.grad((lp * trainable).sum(), list(model.parameters())) for lp in (plain, shared)]
+        for a, b in zip(*grads):
+            assert torch.allclose(a, b, atol=1e-4)
+    distinct = collate_ids(prompts, [[5], [6], [7]])
+    assert shared_prompt_logprobs(model, distinct.input_ids, distinct.attention_mask, distinct.response_mask) is None
