@@ -69,6 +69,17 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temp
     return logits, logprobs
 
 
+def response_logprobs(model, input_ids, attention_mask, response_mask=None, temperature: float = 1.0):
+    """(scaled logits [B,L-1,V], target logprobs [B,L-1]), valid at least where `response_mask`
+    is set: prompts that several rows share run once (`shared_prompt_logprobs`); without a
+    mask, or with no repeated prompt, the plain forward (valid everywhere)."""
+    shared = None if response_mask is None else shared_prompt_logprobs(
+        model, input_ids, attention_mask, response_mask, temperature)
+    if shared is not None:
+        return shared
+    return forward_logprobs(model, input_ids, attention_mask, temperature)[:2]
+
+
 class PolicyWithValueHead(nn.Module):
     """A causal LM with a scalar value head on its last hidden state (PPO's critic).
     V at position t is the value of the state whose next token is input_ids[t+1]."""
@@ -95,12 +106,7 @@ class PolicyOnly(nn.Module):
 
     def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
         """With `response_mask` (the learner's batches), prompts shared by several rows run once."""
-        shared = None if response_mask is None else shared_prompt_logprobs(
-            self.policy, input_ids, attention_mask, response_mask, temperature)
-        if shared is not None:
-            return (*shared, None)
-        logits, logprobs, _ = forward_logprobs(self.policy, input_ids, attention_mask, temperature)
-        return logits, logprobs, None
+        return (*response_logprobs(self.policy, input_ids, attention_mask, response_mask, temperature), None)
 
 
 def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarray]:
@@ -173,14 +179,20 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, left: bool = False) -> tup
 
 @torch.no_grad()
 def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0) -> list[list[float]]:
-    """Run `forward(input_ids, attention_mask) -> [B, L-1] tensor` over an Experience table in
-    chunks and cut each row's response span out of the result."""
+    """Run `forward(input_ids, attention_mask, response_span) -> [B, L-1] tensor` over an
+    Experience table in chunks and cut each row's response span out of the result.
+    `response_span` [B, L-1] is 1 at every response token's target index (environment tokens
+    of a multi-turn response included), so a forward may skip what lies before it."""
     from rlsys.batch import collate, response_slices
 
     out: list[list[float]] = []
     for start in range(0, table.num_rows, batch_size):
         chunk = table.slice(start, batch_size)
         batch = collate(chunk, pad_id)
-        values = forward(batch.input_ids, batch.attention_mask)
-        out += [values[i, s].tolist() for i, s in enumerate(response_slices(chunk))]
+        slices = response_slices(chunk)
+        span = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
+        for i, s in enumerate(slices):
+            span[i, s] = 1.0
+        values = forward(batch.input_ids, batch.attention_mask, span)
+        out += [values[i, s].tolist() for i, s in enumerate(slices)]
     return out

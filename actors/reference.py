@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from actors.modeling import forward_logprobs, load_numpy_state, per_response_tokens, quiet_transformers
+from actors.modeling import load_numpy_state, per_response_tokens, quiet_transformers, response_logprobs
 
 
 class ReferenceWorker:
@@ -34,14 +34,14 @@ class ReferenceWorker:
 
     def logprobs(self, table: pa.Table) -> list[list[float]]:
         """log pi_ref of each response token, aligned with `response_ids`."""
-        forward = lambda ids, mask: forward_logprobs(self.model, ids, mask, self.temperature)[1]
+        forward = lambda ids, mask, span: response_logprobs(self.model, ids, mask, span, self.temperature)[1]
         return per_response_tokens(forward, table, self.batch_size)
 
     def top_logprobs(self, table: pa.Table, k: int = 0) -> list[tuple[list[list[int]], list[list[float]]]]:
         """The k most likely next tokens (all of them when k is 0) and their log pi at each
         response position: a distillation teacher's distribution, one (ids, logprobs) per row."""
-        def forward(ids, mask):
-            logp = torch.log_softmax(forward_logprobs(self.model, ids, mask, self.temperature)[0].float(), dim=-1)
+        def forward(ids, mask, span):
+            logp = torch.log_softmax(response_logprobs(self.model, ids, mask, span, self.temperature)[0].float(), dim=-1)
             top = logp.topk(k or logp.shape[-1], dim=-1)
             return torch.cat([top.indices.float(), top.values], dim=-1)  # ids < 2**24 are exact in float32
 

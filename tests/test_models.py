@@ -62,3 +62,41 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(
             assert torch.allclose(a, b, atol=1e-4)
     distinct = collate_ids(prompts, [[5], [6], [7]])
     assert shared_prompt_logprobs(model, distinct.input_ids, distinct.attention_mask, distinct.response_mask) is None
+
+
+def test_reference_scores_of_rows_sharing_a_prompt_match_the_plain_forward(tmp_path):
+    """The reference worker (and the learner's `logprobs`, same path) scores a group's rows with
+    its prompt run once: each response token's logprob and top-k distribution are the plain
+    forward's, a multi-turn row's environment tokens included."""
+    from actors.modeling import forward_logprobs
+    from actors.reference import ReferenceWorker
+    from rlsys.batch import collate, response_slices
+    from rlsys.experience import make_experience
+
+    spec = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model_dir = save_model_dir(build_tiny_model(spec, seed=5), None, tmp_path / "ref")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (4, 6, 3)]
+    rows = [dict(uid=f"{i}{k}", group=str(i), prompt_ids=p, response_ids=torch.randint(3, 64, (1 + (i + k) % 4,),
+                 generator=g).tolist(), logprobs=[], reward=0.0, policy_version=0)
+            for i, p in enumerate(prompts) for k in range(3)]
+    rows[-1]["loss_mask"] = [0] * len(rows[-1]["response_ids"])  # a row whose response is all environment tokens
+    table = make_experience(rows)
+    worker = ReferenceWorker(str(model_dir), temperature=0.8)
+    batch = collate(table)
+    logits, plain, _ = forward_logprobs(worker.model, batch.input_ids, batch.attention_mask, 0.8)
+    expected = [plain[i, s].tolist() for i, s in enumerate(response_slices(table))]
+    calls = []
+    hook = worker.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    scored = worker.logprobs(table)
+    hook.remove()
+    assert calls[0] == len(prompts)  # the prompts ran once, not once per row
+    assert [len(r) for r in scored] == [len(r["response_ids"]) for r in rows]
+    for got, want in zip(scored, expected):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
+    top_ids, top_lp = zip(*worker.top_logprobs(table, k=3))
+    want = torch.log_softmax(logits.float(), -1).topk(3, dim=-1)
+    for i, s in enumerate(response_slices(table)):
+        assert torch.equal(torch.tensor(top_ids[i]), want.indices[i, s])
+        assert torch.allclose(torch.tensor(top_lp[i]), want.values[i, s], atol=1e-5)
