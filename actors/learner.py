@@ -199,7 +199,8 @@ class Learner:
     def values(self, table: pa.Table) -> list[list[float]]:
         """The value head's estimate for each response token's state (PPO)."""
         self.engine.eval()
-        forward = lambda ids, mask, span: self.module(ids.to(self.device), mask.to(self.device), self.temperature)[2]
+        forward = lambda ids, mask, span: self.module(ids.to(self.device), mask.to(self.device), self.temperature,
+                                                      span.to(self.device))[2]
         return per_response_tokens(forward, table)
 
     @torch.no_grad()

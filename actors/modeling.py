@@ -34,13 +34,14 @@ def forward_logprobs(model, input_ids, attention_mask, temperature: float = 1.0)
     return logits[:, :-1], target_logprobs(logits, input_ids), out.hidden_states[-1]
 
 
-def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature: float = 1.0):
-    """`forward_logprobs`' (logits, logprobs) for rows that share prompts (a GRPO group's G
-    responses), running each distinct prompt once: its keys and values serve every row that
-    starts with it, and gradients flow back through them. Rows are right-padded prompt +
-    response (rlsys.batch); the prompt ends where `response_mask` starts. Positions before a
-    row's last prompt token are not computed (logits 0, as no loss reads them). None when no
-    prompt repeats (then the plain forward is as cheap)."""
+def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature: float = 1.0,
+                           hidden: bool = False):
+    """`forward_logprobs`' (logits, logprobs[, last hidden state]) for rows that share prompts
+    (a GRPO group's G responses), running each distinct prompt once: its keys and values serve
+    every row that starts with it, and gradients flow back through them. Rows are right-padded
+    prompt + response (rlsys.batch); the prompt ends where `response_mask` starts. Positions
+    before a row's last prompt token are not computed (zeros, as no loss reads them). None when
+    no prompt repeats (then the plain forward is as cheap)."""
     b, length = input_ids.shape
     plen = response_mask.gt(0).float().argmax(1) + 1  # the first response token's target index + 1
     p = int(plen.max())
@@ -49,7 +50,8 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temp
     if len(distinct) == b:
         return None
     prompt_mask = distinct.ge(0).long()
-    prefix = model(input_ids=distinct.clamp(min=0), attention_mask=prompt_mask, use_cache=True)
+    prefix = model(input_ids=distinct.clamp(min=0), attention_mask=prompt_mask, use_cache=True,
+                   output_hidden_states=hidden)
     cache = prefix.cache
     cache.batch_select_indices(row_of)  # each row reads its prompt's keys and values
     lengths = attention_mask.sum(1)
@@ -57,16 +59,24 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temp
     real = positions < lengths[:, None]
     rest_ids = torch.where(real, input_ids.gather(1, positions.clamp(max=length - 1)), 0)
     rest = model(input_ids=rest_ids, attention_mask=torch.cat([prompt_mask[row_of], real.long()], 1),
-                 position_ids=positions, cache=cache, use_cache=True)
-    logits = rest.logits.new_zeros(b, length - 1, rest.logits.shape[-1])
+                 position_ids=positions, cache=cache, use_cache=True, output_hidden_states=hidden)
     rows = torch.arange(b, device=input_ids.device)
-    logits[rows, plen - 1] = prefix.logits[row_of, plen - 1]  # the first response token's distribution
-    inside = positions < length - 1  # continuation position t predicts the token at t + 1
-    logits[rows[:, None].expand_as(positions)[inside], positions[inside]] = rest.logits[inside]
+
+    def assemble(first, continuation, width):
+        """[B, width, ...]: the last prompt position from the prompt pass, the rest from the continuation."""
+        out = continuation.new_zeros(b, width, *continuation.shape[2:])
+        out[rows, plen - 1] = first[row_of, plen - 1]
+        inside = positions < width
+        out[rows[:, None].expand_as(positions)[inside], positions[inside]] = continuation[inside]
+        return out
+
+    logits = assemble(prefix.logits, rest.logits, length - 1)  # position t predicts the token at t + 1
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return logits, logprobs
+    if not hidden:
+        return logits, logprobs
+    return logits, logprobs, assemble(prefix.hidden_states[-1], rest.hidden_states[-1], length)
 
 
 def response_logprobs(model, input_ids, attention_mask, response_mask=None, temperature: float = 1.0):
@@ -92,8 +102,12 @@ class PolicyWithValueHead(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
-        logits, logprobs, hidden = forward_logprobs(self.policy, input_ids, attention_mask, temperature)
-        values = self.value_head(hidden[:, :-1].float()).squeeze(-1)  # every position: no shared prompts
+        """With `response_mask`, prompts shared by several rows run once (values, like logits,
+        then hold only from each row's last prompt position on)."""
+        out = None if response_mask is None else shared_prompt_logprobs(
+            self.policy, input_ids, attention_mask, response_mask, temperature, hidden=True)
+        logits, logprobs, hidden = out or forward_logprobs(self.policy, input_ids, attention_mask, temperature)
+        values = self.value_head(hidden[:, :-1].float()).squeeze(-1)
         return logits, logprobs, values
 
 

@@ -29,12 +29,12 @@ def test_same_seed_same_weights():
 
 
 def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients():
-    """The learner's forward (PolicyOnly with a response mask): each distinct prompt runs once and
-    its keys/values serve its group's rows; every trainable position's logprob and the gradient
-    are the plain forward's."""
+    """The learner's forward (PolicyOnly / PolicyWithValueHead with a response mask): each distinct
+    prompt runs once and its keys/values serve its group's rows; every trainable position's
+    logprob and value, and their gradients, are the plain forward's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.modeling import PolicyOnly, shared_prompt_logprobs
+    from actors.modeling import PolicyOnly, PolicyWithValueHead, shared_prompt_logprobs
     from rlsys.batch import collate_ids
 
     spec = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -62,6 +62,14 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(
             assert torch.allclose(a, b, atol=1e-4)
     distinct = collate_ids(prompts, [[5], [6], [7]])
     assert shared_prompt_logprobs(model, distinct.input_ids, distinct.attention_mask, distinct.response_mask) is None
+    # PPO's value head: the values at every trainable position, and their gradients, too
+    critic = PolicyWithValueHead(build_tiny_model(spec, seed=3))
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+    plain_v, shared_v = (critic(batch.input_ids, batch.attention_mask, 1.0, m)[2] for m in (None, batch.response_mask))
+    assert torch.allclose(plain_v[trainable], shared_v[trainable], atol=1e-5)
+    grads = [torch.autograd.grad((v * trainable).sum(), list(critic.parameters())) for v in (plain_v, shared_v)]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-4)
 
 
 def test_reference_scores_of_rows_sharing_a_prompt_match_the_plain_forward(tmp_path):
