@@ -47,7 +47,8 @@ import torch
 from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, register, rewards_of, set_token_column
-from algorithms.common import broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats
+from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
+                               rows_with_gradient)
 from algorithms.sft import sft_loss
 from envs.cdg_game import (
     ROLES, Game, RevisionWarmupTask, Templates, Turn, critic_context, final_only_mask, play_games, prover_transcript,
@@ -304,6 +305,12 @@ class CDG:
         else:
             out.update(group_stats(rewards.tolist(), table.column("group").to_pylist()))
         return out
+
+    def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
+        """Every row of a supervised (ReST) batch; in online play, as GRPO."""
+        if "sft" in batch.extras:
+            return torch.ones(len(batch), dtype=torch.bool)
+        return rows_with_gradient(batch, self.config.kl_coef)
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         mask = batch.response_mask

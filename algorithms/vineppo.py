@@ -25,10 +25,11 @@ from typing import Hashable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import torch
 from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, sample_groups, set_token_column
-from algorithms.common import clipped_policy_loss_with_kl, masked_whiten
+from algorithms.common import clipped_policy_loss_with_kl, masked_whiten, rows_with_gradient
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
@@ -183,6 +184,9 @@ class VinePPO(StatelessMixin):
             "vineppo/steps_per_response": float(np.mean([len(m["step_ends"]) for m in metas])),
             "vineppo/value_s0": float(np.mean([m["step_values"][0] for m in metas])),
         }
+
+    def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
+        return rows_with_gradient(batch, self.config.kl_coef)
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)

@@ -69,6 +69,18 @@ def test_rows_with_gradient_are_those_with_a_non_zero_advantage_unless_kl_counts
     batch = TrainBatch(torch.zeros(3, 4, dtype=torch.long), torch.ones(3, 4), mask, advantages=adv)
     assert rows_with_gradient(batch, kl_coef=0.0).tolist() == [True, False, False]
     assert rows_with_gradient(batch, kl_coef=0.01).tolist() == [True, True, True]
+    # the algorithms whose loss is this surrogate leave such rows out; CDG's supervised rounds never do
+    from algorithms.base import get_algorithm
+
+    def built(name, kl):
+        cls = get_algorithm(name)
+        return cls(cls.Config(kl_coef=kl))
+
+    for name in ("grpo", "rloo", "vineppo", "cdg"):
+        assert built(name, 0.0).gradient_rows(batch).tolist() == [True, False, False], name
+        assert built(name, 0.01).gradient_rows(batch).all(), name
+    batch.extras["sft"] = torch.ones(3)
+    assert built("cdg", 0.0).gradient_rows(batch).all()
     # a zero-advantage row's surrogate has no gradient, clipped or not
     logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
     clipped_policy_loss(logp, torch.tensor([[0.0, -3.0, -0.1]]), torch.zeros(1, 3), torch.ones(1, 3))[0].backward()
