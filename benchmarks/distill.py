@@ -71,11 +71,14 @@ class LiveContext:
 
 
 @torch.no_grad()
-def heldout_loss(algo: DAKD, ctx: LiveContext, batch) -> float:
+def heldout_loss(algo: DAKD, ctx: LiveContext, batch) -> tuple[float, float]:
+    """(BDL to the teacher, NLL of the ground-truth answers) over the eval split's answer tokens;
+    the NLL is the figure no arm's training loss is: it compares arms trained on different losses."""
     ctx.student.eval()
     logits, logprobs, _ = ctx.student(batch.input_ids, batch.attention_mask)
     ctx.student.train()
-    return algo.loss(ModelOutputs(logits, logprobs), batch)[0].item()
+    nll = -(logprobs * batch.response_mask).sum() / batch.response_mask.sum()
+    return algo.loss(ModelOutputs(logits, logprobs), batch)[0].item(), nll.item()
 
 
 def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tuple[int, float]], float]:
@@ -83,11 +86,14 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
     final held-out accuracy."""
     from rlsys.models import load_model
 
-    label, (cls, schedule) = schedule, (RandomSubset, "cosine") if schedule == "random" else (DAKD, schedule)
-    algo = cls(DAKD.Config(epochs=args.epochs, schedule=schedule, tau=args.tau, bdl_lambda=args.lam, top_k=args.top_k))
+    label, lam = schedule, args.lam
+    if schedule == "kd":  # the paper's KD baseline: forward KL(p || q) (BDL at lambda 0) on all data
+        schedule, lam = "full", 0.0
+    cls, schedule = (RandomSubset, "cosine") if schedule == "random" else (DAKD, schedule)
+    algo = cls(DAKD.Config(epochs=args.epochs, schedule=schedule, tau=args.tau, bdl_lambda=lam, top_k=args.top_k))
     student = PolicyOnly(load_model(args.student_dir))
     ctx = LiveContext(task, tok, teacher, student, args.seed)
-    heldout = DAKD(algo.config)
+    heldout = DAKD(algo.config.model_copy(update={"bdl_lambda": args.lam}))  # every arm scored on the same BDL
     heldout_batch = heldout.prepare(heldout_table(heldout, ctx, eval_rows))
     trained, begin_epoch = [], algo.begin_epoch
 
@@ -100,7 +106,7 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
     steps = schedule_steps(args.num_train, args.epochs, args.batch, schedule)
     decay = (lambda s: 0.5 * (1 + math.cos(math.pi * s / steps))) if args.lr_schedule == "cosine" else (lambda s: 1.0)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)  # the paper: AdamW, cosine decay over the run
-    curve, samples = [(0, heldout_loss(algo, ctx, heldout_batch))], 0
+    curve, samples = [(0, *heldout_loss(heldout, ctx, heldout_batch))], 0
     student.train()
     for step in range(1, steps + 1):
         batch = algo.prepare(algo.rollout(ctx, [None] * args.batch))
@@ -113,10 +119,10 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
         lr_schedule.step()
         samples += len(batch)
         if step % args.eval_every == 0 or step == steps:
-            curve.append((samples, heldout_loss(algo, ctx, heldout_batch)))
+            curve.append((samples, *heldout_loss(heldout, ctx, heldout_batch)))
     easy = np.array([single_digit(r) for r in task.rows("train")])
     print(f"  {label:>6}: {steps} steps, {samples} sample-steps, {ctx.scored} scoring forwards, "
-          f"final held-out BDL {curve[-1][1]:.4f}, single-digit share of trained samples "
+          f"final held-out BDL {curve[-1][1]:.4f}, answer NLL {curve[-1][2]:.4f}, single-digit share of trained samples "
           f"{easy[trained].mean():.3f} (of the data {easy.mean():.3f})", file=sys.stderr)
     return curve, accuracy(student.policy, task, tok, eval_rows)
 
@@ -179,8 +185,9 @@ def pretrain_rows(task: ArithmeticTask, which: str, seed: int) -> list[dict]:
     return rows
 
 
-def first_reaching(curve, target: float):
-    return next((s for s, loss in curve if loss <= target), None)
+def first_reaching(curve, target: float, column: int = 1):
+    """Sample-steps of the first evaluation at which `column` (1: BDL, 2: answer NLL) is <= target."""
+    return next((point[0] for point in curve if point[column] <= target), None)
 
 
 def main(argv=None) -> int:
@@ -244,8 +251,8 @@ def main(argv=None) -> int:
              f"(SFT loss {np.mean(pretrain_losses[-20:]):.3f})" if pretrain_losses else " from random init"),
           file=sys.stderr)
     eval_rows = task.rows("eval")
-    (full, full_acc), (dakd, dakd_acc), (rand, rand_acc) = (distill(s, args, task, tok, teacher, eval_rows)
-                                                            for s in ("full", "cosine", "random"))
+    (full, full_acc), (dakd, dakd_acc), (rand, rand_acc), (kd, kd_acc) = (
+        distill(s, args, task, tok, teacher, eval_rows) for s in ("full", "cosine", "random", "kd"))
     teacher_acc = accuracy(teacher.model, task, tok, eval_rows)
     target = full[-1][1]
     full_total, full_reach = full[-1][0], first_reaching(full, target)
@@ -256,7 +263,7 @@ def main(argv=None) -> int:
     print(f"{'held-out BDL at start':24}{full[0][1]:>14.4f}{dakd[0][1]:>10.4f}{rand[0][1]:>15.4f}")
     print(f"{'sample-steps in total':24}{full_total:>14}{dakd[-1][0]:>10}{rand[-1][0]:>15}")
     print(f"{'final held-out BDL':24}{target:>14.4f}{dakd[-1][1]:>10.4f}{rand[-1][1]:>15.4f}")
-    budget = next((loss for s, loss in full if s >= dakd[-1][0]), full[-1][1])
+    budget = next((point[1] for point in full if point[0] >= dakd[-1][0]), full[-1][1])
     print(f"{'BDL at DA-KD budget':24}{budget:>14.4f}{dakd[-1][1]:>10.4f}   (full-data KD after {dakd[-1][0]} sample-steps)")
     print(f"{'held-out accuracy':24}{full_acc:>14.3f}{dakd_acc:>10.3f}{rand_acc:>15.3f}   (teacher {teacher_acc:.3f})")
     never = lambda x: "never" if x is None else x  # noqa: E731
@@ -264,9 +271,23 @@ def main(argv=None) -> int:
           f"   (held-out BDL every {args.eval_every} steps)")
     ratio = lambda x: "never" if x is None else f"{x / full_total:.3f}"  # noqa: E731
     print(f"{'ratio to full-data KD':24}{1.0:>14.3f}{ratio(dakd_reach):>10}{ratio(rand_reach):>15}   (goal <= 0.5)")
+    # the paper's comparison: its KD baseline trains on forward KL, DA-KD on BDL, so the two are
+    # compared on what neither trains on, the held-out NLL of the ground-truth answers
+    nll_target = kd[-1][2]
+    reach = {name: first_reaching(curve, nll_target, column=2) for name, curve in
+             (("kd", kd), ("full", full), ("dakd", dakd), ("random", rand))}
+    print(f"\nvs the paper's KD baseline (forward KL on all data, {kd[-1][0]} sample-steps); "
+          f"target = its final held-out answer NLL {nll_target:.4f}")
+    print(f"{'':24}{'KD (fwd KL)':>14}{'full BDL':>10}{'DA-KD':>10}{'random subset':>15}")
+    print(f"{'final answer NLL':24}{kd[-1][2]:>14.4f}{full[-1][2]:>10.4f}{dakd[-1][2]:>10.4f}{rand[-1][2]:>15.4f}")
+    print(f"{'held-out accuracy':24}{kd_acc:>14.3f}{full_acc:>10.3f}{dakd_acc:>10.3f}{rand_acc:>15.3f}")
+    print(f"{'sample-steps to target':24}{never(reach['kd']):>14}{never(reach['full']):>10}{never(reach['dakd']):>10}"
+          f"{never(reach['random']):>15}")
+    print(f"{'ratio to KD':24}{ratio(reach['kd']):>14}{ratio(reach['full']):>10}{ratio(reach['dakd']):>10}"
+          f"{ratio(reach['random']):>15}   (goal <= 0.5)")
     if args.curves:
-        for name, curve in (("full", full), ("DA-KD", dakd), ("random", rand)):
-            print(f"{name:>6} curve: " + " ".join(f"{s}:{loss:.3f}" for s, loss in curve))
+        for name, curve in (("full", full), ("DA-KD", dakd), ("random", rand), ("KD", kd)):
+            print(f"{name:>6} curve: " + " ".join(f"{point[0]}:{point[1]:.3f}/{point[2]:.3f}" for point in curve))
     print(f"({time.perf_counter() - t0:.0f} s)")
     return 0
 
