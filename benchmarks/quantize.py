@@ -213,15 +213,16 @@ def policy_accuracy_table(work: Path, args) -> None:
     calib = calibration_from_text(tok, text, args.calib_samples, args.seqlen, seed=args.seed)
     print(f"\nquickstart policy ({args.policy_steps} warm-up steps, {time.time() - t0:.0f}s): held-out greedy accuracy, "
           f"{len(rows)} problems; group {args.group}\n")
-    print("| bits | FP32 | round-to-nearest | GPTQ uniform | SliM-LLM |")
-    print("|---|---|---|---|---|")
+    print("| bits | FP32 | round-to-nearest | GPTQ uniform | SliM-LLM | SliM-LLM, SBA with k = 0 (`--sba-uniform`) |")
+    print("|---|---|---|---|---|---|")
     fp = greedy_accuracy(model, tok, task, rows)
     for bits in (2, 3, 4):
         cells = []
-        for method in ("rtn", "gptq", "slim"):
-            cfg_q = QuantConfig(bits=bits, group_size=args.group, method=method, seed=args.seed)
+        for method, uniform in (("rtn", False), ("gptq", False), ("slim", False), ("slim", True)):
+            cfg_q = QuantConfig(bits=bits, group_size=args.group, method=method, seed=args.seed, sba_uniform=uniform)
             qmodel = copy.deepcopy(model)
-            out = save_quantized(qmodel, quantize_model(qmodel, calib, cfg_q), cfg_q, work / f"policy-{method}-w{bits}")
+            out = save_quantized(qmodel, quantize_model(qmodel, calib, cfg_q), cfg_q,
+                                 work / f"policy-{method}{'-u' * uniform}-w{bits}")
             cells.append(f"{greedy_accuracy(load_quantized(out), tok, task, rows):.3f}")
         print(f"| {bits} | {fp:.3f} | {' | '.join(cells)} |", flush=True)
 

@@ -3,6 +3,8 @@ than p = 1, mixed precision beats uniform on outlier channels, GPTQ beats RTN on
 correlated inputs), the packed format round trip, and the `rlsys quantize` CLI."""
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 import pytest
@@ -134,6 +136,24 @@ def test_mixed_precision_beats_uniform_on_outlier_channels():
         assert kl_mixed < kl_uniform
 
 
+def test_sba_with_the_uniform_candidate_never_scores_worse_than_uniform_bits():
+    """`include_uniform`: the uniform map is scored first and wins where every mixed map's output KL
+    is higher (a layer without outlier inputs); on outlier channels mixed precision still wins."""
+    rows, cols, gs, bits = 32, 64, 16, 2
+    w = torch.randn(rows, cols, generator=_gen(11)) * 0.1
+    x = torch.randn(256, cols, generator=_gen(12))
+    salience = group_salience(w, _hinv(x), gs)
+    plain, plain_kls = allocate_bits(w, x, salience, bits, gs)
+    chosen, kls = allocate_bits(w, x, salience, bits, gs, include_uniform=True)
+    assert kls[1:] == pytest.approx(plain_kls) and len(kls) == len(plain_kls) + 1
+    assert kls[0] < min(plain_kls) and torch.equal(chosen, torch.full((cols // gs,), bits))  # k = 1 binarises a group
+    assert not torch.equal(plain, chosen)
+    x = _outlier_inputs(512, cols, channels=[5, 40], gain=20.0, seed=4)
+    salience = group_salience(w, _hinv(x), gs)
+    chosen, kls = allocate_bits(w, x, salience, bits, gs, include_uniform=True)
+    assert min(kls[1:]) < kls[0] and float(chosen.float().mean()) == bits and chosen.max() == bits + 1
+
+
 def test_gptq_error_compensation_beats_rtn_on_correlated_inputs():
     rows, cols, gs = 48, 64, 16
     latent = torch.randn(1024, 6, generator=_gen(5))
@@ -249,6 +269,8 @@ def test_cli_quantizes_with_calib_file(model_dir, tmp_path, capsys):
 
 def test_cli_self_generated_calibration(model_dir, tmp_path, capsys):
     out = tmp_path / "q"
-    assert main([str(model_dir), "--bits", "3", "--group", "32", "--out", str(out), "--calib-samples", "2", "--seqlen", "8"]) == 0
+    assert main([str(model_dir), "--bits", "3", "--group", "32", "--out", str(out), "--calib-samples", "2", "--seqlen", "8",
+                 "--sba-uniform"]) == 0
     assert "avg 3.000 bits" in capsys.readouterr().out
     assert load_quantized(out) is not None
+    assert json.loads((out / "quantize_config.json").read_text())["settings"]["sba_uniform"] is True

@@ -115,13 +115,18 @@ def allocate_bits(
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,
+    include_uniform: bool = False,
 ) -> tuple[torch.Tensor, list[float]]:
     """Salience-determined bit allocation: among `sba_candidates`, the bit map whose
     round-to-nearest weight `W_q` minimises `KL(softmax(X W_q^T + b) || softmax(X W^T + b))`
     on calibration inputs `x` `[n, cols]`. Returns the map and the KL of every candidate;
     with no candidate (too few groups) the uniform map and `[]`.
 
-    Consecutive candidates differ in two groups, so the output is updated incrementally.
+    `include_uniform` also scores the uniform map (k = 0; its KL first in the list), so a layer
+    keeps uniform bits where no mixed map has a lower KL (not in the paper's search, whose
+    k starts at 1: with few groups per row, as on a 128-wide model, k = 1 already binarises a
+    quarter of the weights). Consecutive candidates differ in two groups, so the output is
+    updated incrementally.
     """
     groups = salience.numel()
     uniform = torch.full((groups,), bits, dtype=torch.int64)
@@ -133,8 +138,10 @@ def allocate_bits(
     by_bits = {b: rtn_quantize(w, torch.full((groups,), b), group_size).dequantize() for b in (bits - 1, bits, bits + 1)}
     y_q = F.linear(x, by_bits[bits], bias)
     order = torch.argsort(salience, stable=True)
-    kls = []
-    for k in range(1, len(maps) + 1):
+    kls = [float(output_kl(y_q, y))] if include_uniform else []
+    if include_uniform:
+        maps = [uniform, *maps]
+    for k in range(1, len(maps) + 1 - include_uniform):
         for g, b in ((int(order[k - 1]), bits - 1), (int(order[groups - k]), bits + 1)):
             sl = slice(g * group_size, (g + 1) * group_size)
             y_q = y_q + x[:, sl] @ (by_bits[b][:, sl] - by_bits[bits][:, sl]).T

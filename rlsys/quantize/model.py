@@ -48,6 +48,7 @@ class QuantConfig:
     percdamp: float = 0.01
     sqc: SQCConfig = field(default_factory=SQCConfig)
     kl_rows: int = 4096  # calibration input rows kept per layer for the SBA search
+    sba_uniform: bool = False  # SBA also weighs uniform bits (k = 0), see `allocate_bits`
     batch_size: int = 8
     seed: int = 0
 
@@ -153,7 +154,8 @@ def quantize_weight(lin: nn.Linear, stats: LayerStats | None, cfg: QuantConfig) 
     w_live = w.masked_fill(dead[None, :], 0.0)
     salience = group_salience(w_live, hinv, cfg.group_size)
     bias = None if lin.bias is None else lin.bias.detach().float()
-    bit_map, _ = allocate_bits(w_live, torch.cat(stats.samples), salience, cfg.bits, cfg.group_size, bias)
+    bit_map, _ = allocate_bits(w_live, torch.cat(stats.samples), salience, cfg.bits, cfg.group_size, bias,
+                               include_uniform=cfg.sba_uniform)
     return gptq_quantize(w, hinv, bit_map, cfg.group_size, sqc=cfg.sqc, dead=dead)
 
 
