@@ -133,6 +133,26 @@ class Bench:
         self.worker = worker
         return worker
 
+    def reference(self, prompts: int = 32, group: int = 8, new: int = 6):
+        """The reference worker's logprobs on the quickstart's step shape (each group's prompt run
+        once) vs the plain forward over every row, same table, in-process."""
+        from actors.modeling import forward_logprobs, per_response_tokens
+        from actors.reference import ReferenceWorker
+        from rlsys.experience import make_experience, new_uid
+        from rlsys.generation import GenerationRequest, SamplingParams
+
+        params = SamplingParams(max_new_tokens=new, temperature=1.0, n=group, seed=0,
+                                stop_token_ids=(self.tok.eos_token_id,))
+        gens = self.worker.generate([GenerationRequest(list(p), params) for p in self.prompts[:prompts]])
+        table = make_experience([dict(uid=new_uid(), group=str(g.request_index), prompt_ids=g.prompt_ids,
+                                      response_ids=g.response_ids, logprobs=g.logprobs, reward=0.0, policy_version=0)
+                                 for g in gens])
+        worker = ReferenceWorker(self.policy_dir)
+        plain = lambda ids, mask, span: forward_logprobs(worker.model, ids, mask)[1]  # noqa: E731
+        t_ours, t_plain = paired(lambda: worker.logprobs(table), lambda: per_response_tokens(plain, table), self.reps)
+        self.add(f"reference logprobs ms ({prompts} prompts x {group}, {table.num_rows} rows)", f"{t_ours * 1e3:.1f}",
+                 f"{t_plain * 1e3:.1f}", t_ours / t_plain, "(time: < 1x is faster)")
+
     # ---- 2. learner -------------------------------------------------------------------
     def train_batch(self, gens):
         return train_batch(self.controller.algorithm, gens)
@@ -366,7 +386,7 @@ class Bench:
         return "\n".join(lines + [f"| {' | '.join(r)} |" for r in self.rows])
 
 
-FIGURES = ("rollout", "learner", "ray", "growth", "e2e")
+FIGURES = ("rollout", "reference", "learner", "ray", "growth", "e2e")
 
 
 def main(argv: list[str]) -> None:
@@ -380,8 +400,10 @@ def main(argv: list[str]) -> None:
     init_ray(num_cpus=8)  # logical: the e2e figure runs two controllers' actors side by side
     bench = Bench(reps=3 if args.quick else 7)
     t0 = time.perf_counter()
-    if only & {"rollout", "learner", "growth"}:
+    if only & {"rollout", "reference", "learner", "growth"}:
         worker = bench.rollout()
+    if "reference" in only:
+        bench.reference()
     if only & {"learner", "growth"}:
         bench.learner(worker.generate(bench.requests(32, 64)))
     if "ray" in only:
