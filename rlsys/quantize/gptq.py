@@ -138,14 +138,15 @@ def allocate_bits(
     by_bits = {b: rtn_quantize(w, torch.full((groups,), b), group_size).dequantize() for b in (bits - 1, bits, bits + 1)}
     y_q = F.linear(x, by_bits[bits], bias)
     order = torch.argsort(salience, stable=True)
-    kls = [float(output_kl(y_q, y))] if include_uniform else []
-    if include_uniform:
-        maps = [uniform, *maps]
-    for k in range(1, len(maps) + 1 - include_uniform):
+    uniform_kl = float(output_kl(y_q, y))
+    kls = []
+    for k in range(1, len(maps) + 1):
         for g, b in ((int(order[k - 1]), bits - 1), (int(order[groups - k]), bits + 1)):
             sl = slice(g * group_size, (g + 1) * group_size)
             y_q = y_q + x[:, sl] @ (by_bits[b][:, sl] - by_bits[bits][:, sl]).T
         kls.append(float(output_kl(y_q, y)))
+    if include_uniform:  # k = 0, scored first
+        maps, kls = [uniform, *maps], [uniform_kl, *kls]
     best = min(range(len(kls)), key=kls.__getitem__)
     return maps[best], kls
 
