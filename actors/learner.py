@@ -195,20 +195,20 @@ class Learner:
         kept = mb.select(keep).trim()
         return kept, kept.num_tokens() / max(mb.num_tokens(), 1), skipped
 
-    @torch.no_grad()
     def values(self, table: pa.Table) -> list[list[float]]:
         """The value head's estimate for each response token's state (PPO)."""
-        self.engine.eval()
-        forward = lambda ids, mask, span: self.module(ids.to(self.device), mask.to(self.device), self.temperature,
-                                                      span.to(self.device))[2]
-        return per_response_tokens(forward, table)
+        return self._per_response(table, output=2)
 
-    @torch.no_grad()
     def logprobs(self, table: pa.Table) -> list[list[float]]:
         """log pi of each response token under the current weights (DA-KD's student CE)."""
+        return self._per_response(table, output=1)
+
+    @torch.no_grad()
+    def _per_response(self, table: pa.Table, output: int) -> list[list[float]]:
+        """One of the module's outputs (1: logprobs, 2: values) at each response token."""
         self.engine.eval()
         forward = lambda ids, mask, span: self.module(ids.to(self.device), mask.to(self.device), self.temperature,
-                                                      span.to(self.device))[1]
+                                                      span.to(self.device))[output]
         return per_response_tokens(forward, table)
 
     @contextmanager

@@ -79,15 +79,18 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temp
     return logits, logprobs, assemble(prefix.hidden_states[-1], rest.hidden_states[-1], length)
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask=None, temperature: float = 1.0):
-    """(scaled logits [B,L-1,V], target logprobs [B,L-1]), valid at least where `response_mask`
-    is set: prompts that several rows share run once (`shared_prompt_logprobs`); without a
-    mask, or with no repeated prompt, the plain forward (valid everywhere)."""
+def response_logprobs(model, input_ids, attention_mask, response_mask=None, temperature: float = 1.0,
+                      hidden: bool = False):
+    """(scaled logits [B,L-1,V], target logprobs [B,L-1][, last hidden state [B,L,H]]), valid at
+    least where `response_mask` is set: prompts that several rows share run once
+    (`shared_prompt_logprobs`); without a mask, or with no repeated prompt, the plain forward
+    (valid everywhere)."""
     shared = None if response_mask is None else shared_prompt_logprobs(
-        model, input_ids, attention_mask, response_mask, temperature)
+        model, input_ids, attention_mask, response_mask, temperature, hidden)
     if shared is not None:
         return shared
-    return forward_logprobs(model, input_ids, attention_mask, temperature)[:2]
+    out = forward_logprobs(model, input_ids, attention_mask, temperature)
+    return out if hidden else out[:2]
 
 
 class PolicyWithValueHead(nn.Module):
@@ -104,9 +107,8 @@ class PolicyWithValueHead(nn.Module):
     def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
         """With `response_mask`, prompts shared by several rows run once (values, like logits,
         then hold only from each row's last prompt position on)."""
-        out = None if response_mask is None else shared_prompt_logprobs(
-            self.policy, input_ids, attention_mask, response_mask, temperature, hidden=True)
-        logits, logprobs, hidden = out or forward_logprobs(self.policy, input_ids, attention_mask, temperature)
+        logits, logprobs, hidden = response_logprobs(self.policy, input_ids, attention_mask, response_mask,
+                                                     temperature, hidden=True)
         values = self.value_head(hidden[:, :-1].float()).squeeze(-1)
         return logits, logprobs, values
 
