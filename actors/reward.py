@@ -15,7 +15,7 @@ import json
 import pyarrow as pa
 import torch
 
-from actors.modeling import pad_sequences, quiet_transformers
+from actors.modeling import pad_sequences, quiet_transformers, shared_prompt_passes
 
 
 class RewardWorker:
@@ -51,12 +51,12 @@ class RewardWorker:
         if self.reward_model.tokenizer is not None:
             prompts = self.tokenizer.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
             return self.reward_model.score_texts(prompts, self.decode(table))
-        seqs = [p + r for p, r in zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())]
-        pad = self.tokenizer.pad_token_id or 0
+        prompts = table.column("prompt_ids").to_pylist()
+        seqs = [p + r for p, r in zip(prompts, table.column("response_ids").to_pylist())]
         scores: list[float] = []
         for s in range(0, len(seqs), batch_size):
-            ids, mask = pad_sequences(seqs[s : s + batch_size], pad, left=False)
-            scores += self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
+            scores += sequence_scores(self.model, seqs[s : s + batch_size],
+                                      [len(p) for p in prompts[s : s + batch_size]]).tolist()
         return scores
 
 
@@ -93,18 +93,49 @@ def encode_pairs(tokenizer, prompts: list[str], responses: list[str]) -> list[li
     return [tokenizer(p + r, add_special_tokens=False)["input_ids"] for p, r in zip(prompts, responses)]
 
 
-def sequence_scores(model, seqs: list[list[int]]) -> torch.Tensor:
+def prompt_lengths(tokenizer, prompts: list[str], seqs: list[list[int]]) -> list[int]:
+    """How many leading tokens of each encoded `prompt + response` (`encode_pairs`) are its
+    prompt's own encoding (a token merged across the boundary ends the shared part early)."""
+    own = {p: tokenizer(p, add_special_tokens=False)["input_ids"] for p in set(prompts)}
+    lengths = []
+    for p, seq in zip(prompts, seqs):
+        n = 0
+        while n < min(len(own[p]), len(seq)) and own[p][n] == seq[n]:
+            n += 1
+        lengths.append(n)
+    return lengths
+
+
+def pooled_positions(ids: torch.Tensor, mask: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """Where a sequence-classification model reads its score (transformers' rule): the rightmost
+    token that is not the pad id, or the last real token when the config has none."""
+    if pad_id is None:
+        return mask.sum(1) - 1
+    return (torch.arange(ids.shape[1]) * ids.ne(pad_id)).argmax(-1)
+
+
+def sequence_scores(model, seqs: list[list[int]], prompt_lens: list[int] | None = None) -> torch.Tensor:
     """The single logit per sequence (right-padded with the config's pad id; the model pools
-    the last non-pad token)."""
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    ids, mask = pad_sequences(seqs, pad, left=False)
+    the last non-pad token). With `prompt_lens`, sequences that start with the same prompt (a
+    group's responses, a preference pair) run it once and score on its keys and values
+    (`shared_prompt_passes`; gradients flow through them)."""
+    pad = model.config.pad_token_id
+    ids, mask = pad_sequences(seqs, pad if pad is not None else 0, left=False)
+    if prompt_lens is not None and isinstance(getattr(model, "score", None), torch.nn.Linear):
+        plen = torch.minimum(torch.tensor(prompt_lens), mask.sum(1) - 1)  # the last token runs on the cache
+        passes = shared_prompt_passes(getattr(model, model.base_model_prefix), ids, mask, plen)
+        if passes is not None:
+            last = passes.at(passes.prefix.last_hidden_state, passes.rest.last_hidden_state,
+                             pooled_positions(ids, mask, pad))
+            return model.score(last)[:, 0].float()
     return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
 
 
 @torch.no_grad()
 def reward_scores(model, tokenizer, prompts: list[str], responses: list[str], batch_size: int = 32) -> list[float]:
     seqs = encode_pairs(tokenizer, prompts, responses)
+    lens = prompt_lengths(tokenizer, prompts, seqs)
     scores: list[float] = []
     for s in range(0, len(seqs), batch_size):
-        scores += sequence_scores(model, seqs[s : s + batch_size]).tolist()
+        scores += sequence_scores(model, seqs[s : s + batch_size], lens[s : s + batch_size]).tolist()
     return scores

@@ -133,25 +133,69 @@ class Bench:
         self.worker = worker
         return worker
 
-    def reference(self, prompts: int = 32, group: int = 8, new: int = 6):
+    def step_table(self, few_shot: int = 0, prompts: int = 32, group: int = 8, new: int = 6):
+        """An Experience table of the quickstart's step shape: `prompts` x `group` samples, each
+        prompt after `few_shot` solved training problems (a longer shared prompt, as a system
+        prompt or few-shot examples make it)."""
+        from rlsys.experience import make_experience, new_uid
+        from rlsys.generation import GenerationRequest, SamplingParams
+
+        shots = "".join(f"{r['prompt']}{r['answer']}\n" for r in self.task.rows("train")[-few_shot:]) if few_shot else ""
+        shot_ids = self.tok(shots, add_special_tokens=False)["input_ids"] if shots else []
+        params = SamplingParams(max_new_tokens=new, temperature=1.0, n=group, seed=0,
+                                stop_token_ids=(self.tok.eos_token_id,))
+        gens = self.worker.generate([GenerationRequest(shot_ids + list(p), params) for p in self.prompts[:prompts]])
+        return make_experience([dict(uid=new_uid(), group=str(g.request_index), prompt_ids=g.prompt_ids,
+                                     response_ids=g.response_ids, logprobs=g.logprobs, reward=0.0, policy_version=0)
+                                for g in gens])
+
+    def reference(self):
         """The reference worker's logprobs on the quickstart's step shape (each group's prompt run
         once) vs the plain forward over every row, same table, in-process."""
         from actors.modeling import forward_logprobs, per_response_tokens
         from actors.reference import ReferenceWorker
-        from rlsys.experience import make_experience, new_uid
-        from rlsys.generation import GenerationRequest, SamplingParams
 
-        params = SamplingParams(max_new_tokens=new, temperature=1.0, n=group, seed=0,
-                                stop_token_ids=(self.tok.eos_token_id,))
-        gens = self.worker.generate([GenerationRequest(list(p), params) for p in self.prompts[:prompts]])
-        table = make_experience([dict(uid=new_uid(), group=str(g.request_index), prompt_ids=g.prompt_ids,
-                                      response_ids=g.response_ids, logprobs=g.logprobs, reward=0.0, policy_version=0)
-                                 for g in gens])
         worker = ReferenceWorker(self.policy_dir)
         plain = lambda ids, mask, span: forward_logprobs(worker.model, ids, mask)[1]  # noqa: E731
-        t_ours, t_plain = paired(lambda: worker.logprobs(table), lambda: per_response_tokens(plain, table), self.reps)
-        self.add(f"reference logprobs ms ({prompts} prompts x {group}, {table.num_rows} rows)", f"{t_ours * 1e3:.1f}",
-                 f"{t_plain * 1e3:.1f}", t_ours / t_plain, "(time: < 1x is faster)")
+        for shots in (0, 8):
+            table = self.step_table(shots)
+            t_ours, t_plain = paired(lambda: worker.logprobs(table), lambda: per_response_tokens(plain, table), self.reps)
+            self.add(f"reference logprobs ms (32 prompts x 8, {self.prompt_share(table)})", f"{t_ours * 1e3:.1f}",
+                     f"{t_plain * 1e3:.1f}", t_ours / t_plain, "(time: < 1x is faster)")
+
+    def reward(self):
+        """A reward model (`reward.source: model`, a random-init Qwen2 scorer of the policy's size
+        with its own tokenizer, as `rlsys rm train` saves one) scoring the quickstart's step: the
+        reward worker (each group's prompt run once) vs the same decoded and re-encoded texts
+        through the plain forward, in-process."""
+        import torch
+
+        from actors.reward import RewardWorker, encode_pairs, sequence_scores
+        from rlsys.models import TinyModelSpec, save_model_dir
+        from rlsys.reward_model import build_reward_model
+
+        spec = TinyModelSpec(**self.cfg.model.model_dump(exclude={"path"}))
+        rm_dir = save_model_dir(build_reward_model(self.tok, spec, seed=1), self.tok, Path(self.policy_dir).parent / "rm")
+        worker = RewardWorker(self.policy_dir, reward_model_dir=str(rm_dir))
+
+        @torch.no_grad()
+        def plain(table):
+            prompts = self.tok.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
+            seqs = encode_pairs(worker.reward_model.tokenizer, prompts, worker.decode(table))
+            return [x for s in range(0, len(seqs), 32) for x in sequence_scores(worker.model, seqs[s : s + 32]).tolist()]
+
+        for shots in (0, 8):
+            table = self.step_table(shots)
+            assert max(abs(a - b) for a, b in zip(worker.score(table), plain(table))) < 1e-4
+            t_ours, t_plain = paired(lambda: worker.score(table), lambda: plain(table), self.reps)
+            self.add(f"reward-model scores ms (32 prompts x 8, {self.prompt_share(table)})", f"{t_ours * 1e3:.1f}",
+                     f"{t_plain * 1e3:.1f}", t_ours / t_plain, "(time: < 1x is faster)")
+
+    @staticmethod
+    def prompt_share(table) -> str:
+        prompt = sum(map(len, table.column("prompt_ids").to_pylist()))
+        response = sum(map(len, table.column("response_ids").to_pylist()))
+        return f"{table.num_rows} rows, prompts {prompt / (prompt + response):.0%} of the policy's tokens"
 
     # ---- 2. learner -------------------------------------------------------------------
     def train_batch(self, gens):
@@ -386,7 +430,7 @@ class Bench:
         return "\n".join(lines + [f"| {' | '.join(r)} |" for r in self.rows])
 
 
-FIGURES = ("rollout", "reference", "learner", "ray", "growth", "e2e")
+FIGURES = ("rollout", "reference", "reward", "learner", "ray", "growth", "e2e")
 
 
 def main(argv: list[str]) -> None:
@@ -400,10 +444,12 @@ def main(argv: list[str]) -> None:
     init_ray(num_cpus=8)  # logical: the e2e figure runs two controllers' actors side by side
     bench = Bench(reps=3 if args.quick else 7)
     t0 = time.perf_counter()
-    if only & {"rollout", "reference", "learner", "growth"}:
+    if only & {"rollout", "reference", "reward", "learner", "growth"}:
         worker = bench.rollout()
     if "reference" in only:
         bench.reference()
+    if "reward" in only:
+        bench.reward()
     if only & {"learner", "growth"}:
         bench.learner(worker.generate(bench.requests(32, 64)))
     if "ray" in only:

@@ -81,18 +81,20 @@ def build_reward_model(tokenizer, spec, seed: int = 0, init_dir: Optional[str] =
 def train_reward_model(model, tokenizer, pairs: Sequence[dict], steps: int, batch_size: int = 32, lr: float = 1e-3,
                        seed: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """AdamW on the Bradley-Terry loss over random minibatches of pairs; returns the losses."""
-    from actors.reward import encode_pairs, sequence_scores
+    from actors.reward import encode_pairs, prompt_lengths, sequence_scores
 
     prompts = [p["prompt"] for p in pairs]
     chosen = encode_pairs(tokenizer, prompts, [p["chosen"] for p in pairs])
     rejected = encode_pairs(tokenizer, prompts, [p["rejected"] for p in pairs])
+    chosen_lens, rejected_lens = prompt_lengths(tokenizer, prompts, chosen), prompt_lengths(tokenizer, prompts, rejected)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for step in range(steps):
         idx = torch.randint(len(pairs), (min(batch_size, len(pairs)),), generator=gen).tolist()
-        scores = sequence_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx])
+        scores = sequence_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx],  # a pair's prompt runs once
+                                 [chosen_lens[i] for i in idx] + [rejected_lens[i] for i in idx])
         loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
         opt.zero_grad()
         loss.backward()

@@ -195,3 +195,43 @@ def test_two_grpo_steps_with_rewards_from_the_reward_model(ray_cluster, tmp_path
     direct = RewardModel(str(trained_rm)).score_texts([p for p, _ in pairs], [r for _, r in pairs])
     assert np.allclose(from_run, direct, atol=1e-5)
     assert any(abs(x - round(x)) > 1e-3 for x in from_run)  # real-valued scores, not the 0/1 rule reward
+
+
+def test_reward_scores_of_sequences_sharing_a_prompt_match_the_plain_forward():
+    """A group's responses (and a preference pair's two) are scored with their prompt run once:
+    every score, and its gradient, is the plain forward's, the pooled token found by
+    transformers' rule (the rightmost non-pad token: inside the prompt when the response is all
+    pad ids, as with eos = pad)."""
+    from actors.reward import pooled_positions, prompt_lengths, sequence_scores
+    from rlsys.models import TinyModelSpec, train_tokenizer
+    from rlsys.reward_model import build_reward_model
+
+    tok = train_tokenizer([f"{a}+{b}={a + b}" for a in range(30) for b in range(30)], vocab_size=200)
+    model = build_reward_model(tok, TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2), seed=2)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    pad = model.config.pad_token_id
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 3, 5)]
+    responses = [torch.randint(5, 200, (1 + k,), generator=g).tolist() for k in range(7)]
+    seqs = [prompts[i % 3] + r for i, r in enumerate(responses)] + [prompts[1] + [pad, pad], prompts[2]]
+    lens = [len(prompts[i % 3]) for i in range(7)] + [len(prompts[1]), len(prompts[2])]
+    ids = torch.tensor([seqs[-2] + [pad]])
+    assert pooled_positions(ids, torch.ones_like(ids), pad).item() == len(prompts[1]) - 1
+
+    plain = sequence_scores(model, seqs)
+    calls = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    shared = sequence_scores(model, seqs, lens)
+    hook.remove()
+    assert calls[0] < len(seqs)  # the distinct prompts ran once, not once per sequence
+    assert torch.allclose(shared, plain, atol=1e-5)
+    grads = [torch.autograd.grad(s.pow(2).sum(), list(model.parameters())) for s in
+             (sequence_scores(model, seqs), sequence_scores(model, seqs, lens))]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-4)
+    # text: the prompt's own tokens are shared up to where a token merges across the boundary
+    words = train_tokenizer(["say hello world", "say help me"] * 50, vocab_size=300)
+    text = ["say hel"] * 3
+    pair_seqs = [words(p + r, add_special_tokens=False)["input_ids"] for p, r in zip(text, ["!", "lo", "p"])]
+    assert words.convert_ids_to_tokens(pair_seqs[1]) == ["say", "Ġhello"]  # "hel" + "lo" merged
+    assert prompt_lengths(words, text, pair_seqs) == [2, 1, 1]
