@@ -230,6 +230,23 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, left: bool = False) -> tup
     return ids, mask
 
 
+def prompt_aligned_chunks(prompts: list, size: int) -> list[tuple[int, int]]:
+    """(start, stop) chunks of at most `size` rows that end where the prompt changes when they can,
+    so the rows of a group (consecutive rows with one prompt) meet in one chunk and its prompt
+    runs once (a run longer than `size` is cut at `size`)."""
+    chunks, start = [], 0
+    while start < len(prompts):
+        stop = min(start + size, len(prompts))
+        if stop < len(prompts) and prompts[stop - 1] == prompts[stop]:
+            run_start = stop - 1
+            while run_start > start and prompts[run_start - 1] == prompts[stop]:
+                run_start -= 1
+            stop = run_start if run_start > start else stop
+        chunks.append((start, stop))
+        start = stop
+    return chunks
+
+
 @torch.no_grad()
 def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0) -> list[list[float]]:
     """Run `forward(input_ids, attention_mask, response_span) -> [B, L-1] tensor` over an
@@ -239,8 +256,8 @@ def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0) -
     from rlsys.batch import collate, response_slices
 
     out: list[list[float]] = []
-    for start in range(0, table.num_rows, batch_size):
-        chunk = table.slice(start, batch_size)
+    for start, stop in prompt_aligned_chunks(table.column("prompt_ids").to_pylist(), batch_size):
+        chunk = table.slice(start, stop - start)
         batch = collate(chunk, pad_id)
         slices = response_slices(chunk)
         span = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)

@@ -15,7 +15,7 @@ import json
 import pyarrow as pa
 import torch
 
-from actors.modeling import pad_sequences, quiet_transformers, shared_prompt_passes
+from actors.modeling import pad_sequences, prompt_aligned_chunks, quiet_transformers, shared_prompt_passes
 
 
 class RewardWorker:
@@ -54,9 +54,8 @@ class RewardWorker:
         prompts = table.column("prompt_ids").to_pylist()
         seqs = [p + r for p, r in zip(prompts, table.column("response_ids").to_pylist())]
         scores: list[float] = []
-        for s in range(0, len(seqs), batch_size):
-            scores += sequence_scores(self.model, seqs[s : s + batch_size],
-                                      [len(p) for p in prompts[s : s + batch_size]]).tolist()
+        for start, stop in prompt_aligned_chunks(prompts, batch_size):
+            scores += sequence_scores(self.model, seqs[start:stop], [len(p) for p in prompts[start:stop]]).tolist()
         return scores
 
 
@@ -136,6 +135,6 @@ def reward_scores(model, tokenizer, prompts: list[str], responses: list[str], ba
     seqs = encode_pairs(tokenizer, prompts, responses)
     lens = prompt_lengths(tokenizer, prompts, seqs)
     scores: list[float] = []
-    for s in range(0, len(seqs), batch_size):
-        scores += sequence_scores(model, seqs[s : s + batch_size], lens[s : s + batch_size]).tolist()
+    for start, stop in prompt_aligned_chunks(prompts, batch_size):
+        scores += sequence_scores(model, seqs[start:stop], lens[start:stop]).tolist()
     return scores

@@ -100,6 +100,14 @@ def test_reference_scores_of_rows_sharing_a_prompt_match_the_plain_forward(tmp_p
     scored = worker.logprobs(table)
     hook.remove()
     assert calls[0] == len(prompts)  # the prompts ran once, not once per row
+    # in chunks smaller than the table, a chunk ends where a group does: each prompt still runs once
+    small = ReferenceWorker(str(model_dir), temperature=0.8, batch_size=4)
+    calls.clear()
+    hook = small.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    for got, want in zip(small.logprobs(table), scored):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
+    hook.remove()
+    assert calls == [1, 3] * 3  # per chunk: its one prompt, then its 3 rows' responses
     assert [len(r) for r in scored] == [len(r["response_ids"]) for r in rows]
     for got, want in zip(scored, expected):
         assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
