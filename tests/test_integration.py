@@ -121,8 +121,8 @@ def test_weight_sync_is_sent_unawaited_and_its_failure_surfaces_at_the_next_gene
 
 def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray_cluster, tmp_path):
     """GRPO groups with equal rewards (no KL term) are left out of the learner's forward and
-    backward, and each group's prompt runs once; its loss and its AdamW steps are those of plain
-    torch on every row."""
+    backward, and each group's prompt runs once; its loss, gradient norm, clipping and AdamW steps
+    are those of plain torch on every row."""
     import numpy as np
     import torch
 
@@ -158,21 +158,27 @@ def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray
     steps = [batch([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]),  # two groups of equal rewards
              batch([0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]),  # three
              batch([1, 1, 1, 1] * 4)]  # every group: the step's gradient is zero
-    learner = ray_cluster.remote(Learner).remote(str(model_dir), algo, lr=1e-2, grad_clip=0.0, master_port=free_port())
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
-    for b, left_out in zip(steps, [0.5, 0.75, 1.0]):
-        metrics = ray_cluster.get(learner.train_step.remote(b))
-        logits, logprobs, _ = policy(b.input_ids, b.attention_mask)
-        loss = algo.loss(ModelOutputs(logits, logprobs), b)[0]  # every row
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        assert metrics["rows_without_gradient"] == left_out
-        assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
-    theirs = ray_cluster.get(learner.weights.remote())
-    for name, p in policy.policy.state_dict().items():
-        np.testing.assert_allclose(theirs[name], p.detach().numpy(), atol=1e-4, err_msg=name)
-    ray_cluster.kill(learner)
+    for grad_clip in (0.0, 0.05):  # unclipped, and clipped at every step (the norms here are ~0.1-1)
+        policy = PolicyOnly(load_model(str(model_dir)))
+        learner = ray_cluster.remote(Learner).remote(str(model_dir), algo, lr=1e-2, grad_clip=grad_clip,
+                                                     master_port=free_port())
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
+        for b, left_out in zip(steps, [0.5, 0.75, 1.0]):
+            metrics = ray_cluster.get(learner.train_step.remote(b))
+            logits, logprobs, _ = policy(b.input_ids, b.attention_mask)
+            loss = algo.loss(ModelOutputs(logits, logprobs), b)[0]  # every row
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip or float("inf"))
+            opt.step()
+            assert metrics["rows_without_gradient"] == left_out
+            assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
+            assert metrics["grad_norm"] == pytest.approx(norm.item(), rel=1e-4, abs=1e-7)
+            assert grad_clip == 0 or left_out == 1.0 or norm > grad_clip  # the clip acted
+        theirs = ray_cluster.get(learner.weights.remote())
+        for name, p in policy.policy.state_dict().items():
+            np.testing.assert_allclose(theirs[name], p.detach().numpy(), atol=1e-4, err_msg=name)
+        ray_cluster.kill(learner)
 
 
 def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_cluster, tmp_path):
