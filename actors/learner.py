@@ -112,9 +112,8 @@ class Learner:
         self.zero_stage = zero_stage
         # ZeRO-0 in fp32: the learner clips with torch's foreach clip and reports the norm (DeepSpeed
         # clips there tensor by tensor and reports none); under ZeRO or bf16 DeepSpeed clips its own state
-        self.clip_here = zero_stage == 0 and not bf16
-        self.grad_clip = grad_clip
-        self._engine_args = dict(lr=lr, weight_decay=weight_decay, grad_clip=0.0 if self.clip_here else grad_clip,
+        self.own_clip = (grad_clip or math.inf) if zero_stage == 0 and not bf16 else None
+        self._engine_args = dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip if self.own_clip is None else 0.0,
                                  bf16=bf16, schedule=partial(
             lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps, schedule=lr_schedule, min_ratio=min_lr_ratio))
         self.engine, self.optimizer = self._build_engine(model_dir)
@@ -171,12 +170,11 @@ class Learner:
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
                 metrics["rows_without_gradient"] = skipped
                 self.engine.backward(loss)
-                if self.clip_here:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip or math.inf)
+                own_norm = None if self.own_clip is None else \
+                    torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.own_clip)
                 self.engine.step()
                 metrics["loss"] = loss.item()
-                if not self.clip_here:
-                    grad_norm = self.engine.get_global_grad_norm()  # computed by the step
+                grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()  # by the step
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 for k, v in metrics.items():
