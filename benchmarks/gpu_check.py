@@ -6,8 +6,9 @@
 Without a CUDA device (and without --cpu) it prints one line saying nothing was measured
 and exits 0. On CUDA it runs, each side by side with a baseline in the same run:
 1. the transformers rollout backend on the GPU vs on the CPU: tokens/s;
-2. the DeepSpeed learner on CUDA, bf16 + ZeRO-2 vs fp32 ZeRO-0: train_step time, tokens/s;
-   the bf16 learner's weights come out of `Learner.weights()` as float32 numpy;
+2. the DeepSpeed learner on CUDA, bf16 + ZeRO-2 and ZeRO-3 vs fp32 ZeRO-0: train_step time,
+   tokens/s, and the cosine of its update with the fp32 one; the bf16 learner's weights come out
+   of `Learner.weights()` as float32 numpy;
 3. weight handoff without NCCL (Learner.weights() -> numpy -> HF backend on GPU) and the
    broadcast path (actors/weight_broadcast.py) from the CUDA learner to a receiver process:
    gloo always; NCCL when a second GPU is visible (NCCL cannot put two ranks on one GPU);
@@ -15,7 +16,7 @@ and exits 0. On CUDA it runs, each side by side with a baseline in the same run:
 4. the vLLM backend when `vllm` is importable: tokens/s vs the transformers backend on the
    GPU, and `load_weights` (collective_rpc into the worker extension) time.
 The policy is the quickstart's model family (tiny Qwen2 + BPE tokenizer from the task,
-no SFT), sized up by --hidden/--layers on CUDA.
+no SFT), sized up by --hidden/--layers on CUDA. Needs no Ray (the GPU image has none).
 """
 from __future__ import annotations
 
@@ -80,8 +81,10 @@ class Check:
     def __init__(self, args):
         import torch
 
+        from algorithms.base import build_algorithm
+        from envs.registry import make_task
         from rlsys.config import load_config
-        from rlsys.controller import Controller
+        from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer
 
         self.args, self.cuda = args, not args.cpu
         self.device = "cuda" if self.cuda else "cpu"
@@ -92,15 +95,19 @@ class Check:
                 "model.vocab_size=1024"]
         self.cfg = load_config(ROOT / "configs" / "quickstart.yaml",
                                [f"run.output_dir={out}", "run.name=gpu", "sft.steps=0", "algorithm.kl_coef=0", *size])
-        self.controller = Controller(self.cfg, out / "gpu", progress=False)
-        self.policy_dir = str(self.controller.prepare_policy())
-        self.task, self.tok = self.controller.task, self.controller.tokenizer
+        # the policy as Controller.prepare_policy builds it (no SFT), without Ray: the GPU image has none
+        self.algorithm = build_algorithm(self.cfg)
+        self.task = make_task(self.cfg.task, out / "data", self.cfg.run.seed)
+        self.tok = train_tokenizer(self.task.corpus(), self.cfg.model.vocab_size)
+        model = build_tiny_model(TinyModelSpec(**self.cfg.model.model_dump(exclude={"path"})), self.tok, seed=self.cfg.run.seed)
+        self.policy_dir = str(out / "policy")
+        save_model_dir(model, self.tok, self.policy_dir)
         self.prompts = [self.tok(self.task.prompt_text(r), add_special_tokens=False)["input_ids"]
                         for r in self.task.rows("train")]
         self.rows: list[tuple[str, str, str, str]] = []
-        if self.cuda:
-            print(f"gpu_check: {torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} GPU(s), torch {torch.__version__}",
-                  file=sys.stderr)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        print(f"gpu_check: {torch.cuda.get_device_name(0) if self.cuda else 'cpu'}, {torch.cuda.device_count()} GPU(s), "
+              f"torch {torch.__version__}, policy {params:.0f}M parameters", file=sys.stderr)
 
     def add(self, figure: str, measured: str, baseline: str, ratio: str) -> None:
         self.rows.append((figure, measured, baseline, ratio))
@@ -129,29 +136,38 @@ class Check:
     # ---- 2. learner on CUDA ----------------------------------------------------------------
 
     def learner(self, gens):
+        """bf16 ZeRO-2 and ZeRO-3 (fp32 on the --cpu plumbing run) against fp32 ZeRO-0, each trained
+        the same steps on the same batch from the same weights: step time, and the cosine between
+        each learner's total update and the fp32 one (does the fast learner learn the same thing)."""
         import numpy as np
 
         from actors.learner import Learner
-        from rlsys.controller import free_port
+        from rlsys.cluster import free_port
 
         l = self.cfg.learner
-        batch = train_batch(self.controller.algorithm, gens)
-        make = lambda stage, bf16: Learner(self.policy_dir, self.controller.algorithm, lr=l.lr, grad_clip=l.grad_clip,
+        batch = train_batch(self.algorithm, gens)
+        make = lambda stage, bf16: Learner(self.policy_dir, self.algorithm, lr=l.lr, grad_clip=l.grad_clip,
                                            zero_stage=stage, bf16=bf16, threads=4, master_port=free_port())
-        fast = make(2, self.cuda)  # bf16 + ZeRO-2 on CUDA (fp32 on the --cpu plumbing run)
         base = make(0, False)
-        assert fast.device.type == self.device, f"learner on {fast.device}, expected {self.device}"
-        t_fast = timed(lambda: (fast.train_step(batch), _sync()), self.args.reps)
+        initial = {k: a.copy() for k, a in base.weights().items()}  # weights() may be views of the live tensors
         t_base = timed(lambda: (base.train_step(batch), _sync()), self.args.reps)
-        tokens = batch.num_tokens()
-        label = "bf16 ZeRO-2" if self.cuda else "fp32 ZeRO-2"
-        self.add(f"learner step ms, {label} vs fp32 ZeRO-0 on {self.device} (batch {len(batch)}, "
-                 f"{batch.input_ids.shape[1]} tokens)", f"{t_fast * 1e3:.1f} ({tokens / t_fast:.0f} resp tok/s)",
-                 f"{t_base * 1e3:.1f}", f"{t_base / t_fast:.2f}x")
-        weights = fast.weights()
-        assert all(a.dtype in (np.float32, np.int64) for a in weights.values()), "weights() must give numpy fp32"
-        self.learner_ = fast
-        return fast
+        base_update = np.concatenate([(a - initial[k]).ravel() for k, a in base.weights().items()])
+        for stage in (2, 3):
+            fast = make(stage, self.cuda)
+            assert fast.device.type == self.device, f"learner on {fast.device}, expected {self.device}"
+            t_fast = timed(lambda: (fast.train_step(batch), _sync()), self.args.reps)
+            weights = fast.weights()
+            assert all(a.dtype in (np.float32, np.int64) for a in weights.values()), "weights() must give numpy fp32"
+            update = np.concatenate([(a - initial[k]).ravel() for k, a in weights.items()])
+            cosine = float(update @ base_update / (np.linalg.norm(update) * np.linalg.norm(base_update)))
+            label = f"{'bf16' if self.cuda else 'fp32'} ZeRO-{stage}"
+            self.add(f"learner step ms, {label} vs fp32 ZeRO-0 on {self.device} (batch {len(batch)}, "
+                     f"{batch.input_ids.shape[1]} tokens; update cosine vs fp32 {cosine:.3f})",
+                     f"{t_fast * 1e3:.1f} ({batch.num_tokens() / t_fast:.0f} resp tok/s)",
+                     f"{t_base * 1e3:.1f}", f"{t_base / t_fast:.2f}x")
+            if stage == 2:
+                self.learner_ = fast  # the config's learner (configs/gpu.yaml) does the handoff and broadcast
+        return self.learner_
 
     # ---- 3. weight handoff and broadcast -------------------------------------------------------
     def handoff(self):
@@ -164,7 +180,7 @@ class Check:
                  f"{(t_get + t_load) * 1e3:.1f}", f"weights() {t_get * 1e3:.1f}", f"{mb / (t_get + t_load):.0f} MB/s")
 
     def broadcast(self, backend: str, receiver_device: str):
-        from rlsys.controller import free_port
+        from rlsys.cluster import free_port
 
         learner = self.learner_
         manifest = learner.weight_manifest()

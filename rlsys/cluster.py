@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 import tempfile
 from pathlib import Path
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (a rendezvous for torch.distributed groups)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def ray_env_for_local(temp_dir: Path) -> dict[str, str]:

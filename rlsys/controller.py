@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import socket
 import sys
 import time
 from collections import defaultdict
@@ -20,16 +19,11 @@ import ray
 
 from algorithms.base import Prompt, build_algorithm, policy_names
 from envs.rewards import build_shaping
+from rlsys.cluster import free_port
 from rlsys.config import ConfigError, JobConfig, dump_config
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
 from rlsys.generation import GenerationRequest, SamplingParams
 from rlsys.placement import acknowledged, learner_gpus, open_weight_broadcast, rollout_actor_options, vllm_options
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PromptStream:
