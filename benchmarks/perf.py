@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/perf.py            # 7 timed repeats per figure
     .venv/bin/python benchmarks/perf.py --quick    # 3 repeats, shorter SFT and TRL runs
 
-Figures: rollout tokens/s (rlsys's HF backend vs plain `model.generate`), learner step
+Figures: rollout tokens/s (rlsys's HF backend vs plain `model.generate` sampling the same
+distribution: every row for all its tokens, and rows ending at eos at different lengths), learner step
 (DeepSpeed Learner.train_step vs plain torch fwd+bwd+AdamW, same GRPO clipped loss),
 weight sync (learner -> object store -> rollout worker vs raw ray.put + ray.get), 1 vs 2
 rollout workers, cost growth with batch and response length (generate + train), and,
@@ -123,7 +124,8 @@ class Bench:
         @torch.no_grad()
         def plain():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=True, temperature=1.0, pad_token_id=self.tok.pad_token_id, use_cache=True)
+                                 do_sample=True, top_k=0, top_p=1.0, temperature=1.0,  # rlsys's sampling (no top-k 50)
+                                 pad_token_id=self.tok.pad_token_id, use_cache=True)
             assert out.shape[1] - ids.shape[1] == new
 
         t_ours, t_plain = paired(ours, plain, self.reps)
@@ -132,6 +134,53 @@ class Bench:
                  t_plain / t_ours, ">= 2x")
         self.worker = worker
         return worker
+
+    def rollout_variable_length(self, batch: int = 32, new: int = 64, stop_rate: float = 1 / 32):
+        """The same batch when responses end at eos at different lengths, as a policy's do in RL:
+        the policy's eos logit is raised by a bias on lm_head (one model for both sides) until a
+        row of the first step stops with probability `stop_rate` (mean length ~1/stop_rate, capped
+        at `new`). rlsys drops finished rows; plain `generate` runs every row until the last one
+        ends. Tokens = each run's own response tokens up to and including eos."""
+        import torch
+
+        from actors.modeling import pad_sequences
+        from actors.rollout import RolloutWorker
+
+        worker = RolloutWorker(self.policy_dir, "hf", batch_size=64, threads=1)
+        model = worker.backend.model
+        reqs = self.requests(batch, new)
+        ids, mask = pad_sequences([r.prompt_ids for r in reqs], self.tok.pad_token_id, left=True)
+        eos, head = self.tok.eos_token_id, model.lm_head
+        with torch.no_grad():
+            first = model(input_ids=ids, attention_mask=mask).logits[:, -1].float()
+            lo, hi = -50.0, 50.0  # bisect the eos bias on the first step's mean stop probability
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                first[:, eos] += mid
+                p = first.softmax(-1)[:, eos].mean().item()
+                first[:, eos] -= mid
+                lo, hi = (mid, hi) if p < stop_rate else (lo, mid)
+            head.bias = torch.nn.Parameter(torch.zeros(head.out_features).index_fill_(0, torch.tensor([eos]), lo),
+                                           requires_grad=False)
+        counts = {"ours": [], "plain": []}
+
+        def ours():
+            counts["ours"].append(sum(len(g.response_ids) for g in worker.generate(reqs)))
+
+        @torch.no_grad()
+        def plain():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=True, top_k=0,
+                                 top_p=1.0, temperature=1.0, eos_token_id=eos, pad_token_id=self.tok.pad_token_id,
+                                 use_cache=True)
+            response = out[:, ids.shape[1]:]
+            ended = (response == eos).int().cumsum(-1)
+            counts["plain"].append(int(((ended == 0) | ((ended == 1) & (response == eos))).sum()))
+
+        t_ours, t_plain = paired(ours, plain, self.reps)
+        mean_ours, mean_plain = (statistics.mean(counts[k]) for k in ("ours", "plain"))
+        self.add(f"rollout tokens/s (batch {batch}, <= {new} new, stopping at eos: mean length "
+                 f"{mean_ours / batch:.1f} / {mean_plain / batch:.1f})", f"{mean_ours / t_ours:.0f}",
+                 f"{mean_plain / t_plain:.0f}", (mean_ours / t_ours) / (mean_plain / t_plain), ">= 2x")
 
     def step_table(self, few_shot: int = 0, prompts: int = 32, group: int = 8, new: int = 6):
         """An Experience table of the quickstart's step shape: `prompts` x `group` samples, each
@@ -446,6 +495,8 @@ def main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     if only & {"rollout", "reference", "reward", "learner", "growth"}:
         worker = bench.rollout()
+    if "rollout" in only:
+        bench.rollout_variable_length()
     if "reference" in only:
         bench.reference()
     if "reward" in only:
