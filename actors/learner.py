@@ -263,6 +263,7 @@ class Learner:
             if backend == "nccl" and self.device.type != "cuda":
                 raise RuntimeError("the NCCL weight broadcast needs the learner on CUDA; no GPU is visible to rank 0")
             device = self.device if backend == "nccl" else torch.device("cpu")
+            self.weight_broadcast = None  # a group formed again (a restarted worker rejoins) replaces the old one
             self.weight_broadcast = BroadcastGroup(master_addr, master_port, 0, world_size, backend, timeout_s,
                                                    device=device, local_addr=master_addr)
         return self.rank

@@ -310,6 +310,7 @@ class RolloutWorker:
 
         device = getattr(self.backend, "device", torch.device("cpu"))
         local = ray.util.get_node_ip_address() if ray.is_initialized() else None
+        self.weight_broadcast = None  # a group formed again (a restarted worker rejoins) replaces the old one
         self.weight_broadcast = BroadcastGroup(master_addr, master_port, first_rank, world_size, backend, timeout_s,
                                                device=device if backend == "nccl" else "cpu", local_addr=local)
         return first_rank

@@ -23,7 +23,8 @@ from rlsys.cluster import free_port
 from rlsys.config import ConfigError, JobConfig, dump_config
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
 from rlsys.generation import GenerationRequest, SamplingParams
-from rlsys.placement import acknowledged, learner_gpus, open_weight_broadcast, rollout_actor_options, vllm_options
+from rlsys.placement import (acknowledged, learner_gpus, open_weight_broadcast, readmit_blocked, rollout_actor_options,
+                             vllm_options)
 
 
 class PromptStream:
@@ -86,6 +87,8 @@ class ActorContext:
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
         self.sync_in_flight = None  # waits for the last weight sync (Controller.sync_weights sends it unawaited)
+        self.readmit = None  # trainer.weight_sync=broadcast: brings a restarted worker back into the group
+        self.readmit_blocked = None  # or why it cannot (placement.readmit_blocked)
 
     @property
     def workers(self) -> list:
@@ -153,12 +156,15 @@ class ActorContext:
                 gens = ray.get(fut)
                 if any(g.policy_version != self.policy_version for g in gens):
                     served = self.policies[policy]
-                    if served.weights_ref is None and self.policy_version:  # trainer.weight_sync=broadcast
+                    if served.weights_ref is not None:
+                        ray.get(worker.load_weights.remote(self.policy_version, served.weights_ref))
+                    elif self.readmit is not None:  # trainer.weight_sync=broadcast
+                        self.readmit()
+                    else:
                         raise RunFailed(f"rollout worker {served.workers.index(worker)} restarted; the weight-broadcast "
-                                        f"group cannot re-admit it (trainer.weight_sync=broadcast): resume from the "
-                                        f"last checkpoint")
+                                        f"group cannot re-admit it under {self.readmit_blocked}: resume from the last "
+                                        f"checkpoint")
                     self.restarted_workers += 1
-                    ray.get(worker.load_weights.remote(self.policy_version, served.weights_ref))
                     gens = ray.get(worker.generate.remote(part))
                 for g in gens:
                     g.request_index = int(idx[g.request_index])
@@ -344,6 +350,9 @@ class Controller:
         if cfg.trainer.weight_sync == "broadcast":
             open_weight_broadcast(cfg, self.learners, self.workers)
             self.weight_manifest = self._from_learners([l.weight_manifest.remote() for l in self.learners])[0]
+            self.ctx.readmit_blocked = readmit_blocked(cfg)
+            if self.ctx.readmit_blocked is None:
+                self.ctx.readmit = self._readmit_by_broadcast
         if teacher_dir:
             self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
         if getattr(self.task, "needs_sandbox", False):
@@ -478,6 +487,14 @@ class Controller:
             cause = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise LearnerFailed(f"learner rank {', '.join(map(str, dead)) or '?'} of {len(self.learners)} died during "
                                 f"step {self.step + 1} ({cause}); the run stopped: {resume}") from None
+
+    def _readmit_by_broadcast(self) -> None:
+        """A rollout worker that Ray restarted comes back outside the broadcast group, with the
+        initial weights: the group is formed again with every worker and the current weights are
+        broadcast at the current version. Exact because the learner is idle while the workers
+        generate (no overlap_rollout), so its weights are the version the workers serve."""
+        open_weight_broadcast(self.cfg, self.learners, self.workers)
+        self._sync_by_broadcast(self.ctx.policy_version)
 
     def _sync_by_broadcast(self, version: int) -> None:
         """Learner rank 0 -> every rollout receiver over the broadcast group, tagged `version`."""

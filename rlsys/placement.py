@@ -76,6 +76,16 @@ def open_weight_broadcast(cfg: JobConfig, learners: list, workers: list) -> None
     ray.get(ready)
 
 
+def readmit_blocked(cfg: JobConfig) -> str | None:
+    """Why a rollout worker that Ray restarted cannot rejoin the broadcast group mid-run (None: it can).
+    Rejoining re-forms the group and broadcasts the learner's weights at the version the workers serve."""
+    if cfg.trainer.overlap_rollout:
+        return "trainer.overlap_rollout (the learner trains while the workers generate: its weights are a version ahead)"
+    if cfg.rollout.backend == "vllm":
+        return "rollout.backend=vllm (re-forming an NCCL group around a dead member needs an abort of its communicator)"
+    return None
+
+
 def acknowledged(acks: list, version: int, timeout: float) -> list:
     """The rollout workers' acknowledgements of a weight sync, or WeightSyncTimeout naming
     how many did not answer within `timeout` (a sync never hangs)."""

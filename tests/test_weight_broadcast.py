@@ -123,3 +123,55 @@ def test_vllm_backend_on_a_cluster_without_gpus_fails_in_one_line(ray_cluster, t
         c.start_actors(c.prepare_policy())
     assert str(e.value) == ("rollout.backend=vllm needs 4 GPU(s) (2 engine(s) x rollout.tensor_parallel_size 2); "
                             "the cluster has 0")
+
+
+@pytest.mark.integration
+def test_a_restarted_worker_rejoins_the_broadcast_group_and_serves_the_current_version(ray_cluster, tmp_path):
+    import os
+    import signal
+
+    from rlsys.config import load_config
+    from rlsys.controller import Controller
+    from rlsys.generation import GenerationRequest
+
+    ray = ray_cluster
+    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=rejoin",
+                                                  "rollout.num_workers=2", "trainer.weight_sync=broadcast",
+                                                  "trainer.sync_timeout_s=30"])
+    c = Controller(cfg, tmp_path / "rejoin", progress=False)
+    c.start_actors(c.prepare_policy())
+    perturb = lambda self: [p.data.add_(0.01 * torch.randn_like(p)) for p in self.module.policy.parameters()] and None
+    ray.get(c.learners[0].__ray_call__.remote(perturb))  # version 1 differs from the initial weights
+    c.sync_weights(1)
+    pid = ray.get(c.workers[0].pid.remote())
+    os.kill(pid, signal.SIGKILL)  # Ray restarts it with the initial weights, outside the group
+    requests = [GenerationRequest(p.prompt_ids, c.ctx.sampling(n=2, seed=5)) for p in c.stream.next(4)]
+    gens = c.ctx.generate(requests)
+    assert {g.policy_version for g in gens} == {1} and c.ctx.restarted_workers == 1
+    assert sorted(g.request_index for g in gens) == sorted(list(range(4)) * 2)
+    assert ray.get(c.workers[0].pid.remote()) != pid
+
+    def served_equals_learner(version):
+        assert ray.get([w.policy_version.remote() for w in c.workers]) == [version, version]
+        learner = ray.get(c.learners[0].weights.remote())
+        for worker in c.workers:
+            served = ray.get(_worker_weights(worker))
+            assert all(np.array_equal(served[k], learner[k]) for k in learner)
+
+    served_equals_learner(1)
+    ray.get(c.learners[0].__ray_call__.remote(perturb))
+    c.sync_weights(2)  # over the group formed again
+    served_equals_learner(2)
+    c.shutdown()
+
+
+def test_rejoining_the_broadcast_group_is_refused_where_it_cannot_be_exact():
+    from rlsys.config import load_config
+    from rlsys.placement import readmit_blocked
+
+    base = ["trainer.weight_sync=broadcast"]
+    assert readmit_blocked(load_config("configs/quickstart.yaml", base)) is None
+    assert readmit_blocked(load_config("configs/quickstart.yaml", [*base, "trainer.overlap_rollout=true"])).startswith(
+        "trainer.overlap_rollout")
+    assert readmit_blocked(load_config("configs/quickstart.yaml", [*base, "rollout.backend=vllm"])).startswith(
+        "rollout.backend=vllm")
