@@ -175,3 +175,14 @@ def test_rejoining_the_broadcast_group_is_refused_where_it_cannot_be_exact():
         "trainer.overlap_rollout")
     assert readmit_blocked(load_config("configs/quickstart.yaml", [*base, "rollout.backend=vllm"])).startswith(
         "rollout.backend=vllm")
+
+
+def test_broadcast_sync_with_several_trained_policies_is_a_config_error():
+    """The broadcast group serves the run's policy only: CDG's per-role models would go unsynced."""
+    from algorithms.base import build_algorithm
+    from rlsys.config import ConfigError, load_config
+
+    cfg = load_config("configs/cdg.yaml", ["algorithm.models=per_role", "trainer.weight_sync=broadcast"])
+    with pytest.raises(ConfigError, match="trains 3 policies \\(prover, helpful, misleading\\): that needs "
+                                          "rollout.backend=hf and trainer.weight_sync=object_store"):
+        build_algorithm(cfg)
