@@ -96,7 +96,8 @@ class LeanDecoder:
     def fused_weights(self) -> list[dict]:
         """Per layer, read from the model's current weights: q/k/v as one matrix (q's rows
         pre-multiplied by the attention scale, which commutes with the rotary rotation), gate/up
-        as another (one matmul each instead of three and two), and the norms' weights."""
+        as another (one matmul each instead of three and two), and the o/down projections' and
+        the norms' weights (used with F.linear / F.rms_norm directly, no module call per step)."""
         def cat(mods, scales):
             weight = torch.cat([m.weight * s for m, s in zip(mods, scales)])
             if all(m.bias is None for m in mods):
@@ -109,6 +110,7 @@ class LeanDecoder:
             a, mlp = layer.self_attn, layer.mlp
             fused.append({"qkv": cat((a.q_proj, a.k_proj, a.v_proj), (self.scale, 1.0, 1.0)),
                           "gate_up": cat((mlp.gate_proj, mlp.up_proj), (1.0, 1.0)),
+                          "o": (a.o_proj.weight, a.o_proj.bias), "down": (mlp.down_proj.weight, mlp.down_proj.bias),
                           "norm1": rms_norm_args(layer.input_layernorm), "norm2": rms_norm_args(layer.post_attention_layernorm)})
         return fused
 
@@ -125,7 +127,7 @@ class LeanDecoder:
         """Hidden states of `ids` ([B, T], at cache slots start..start+T) after the final norm.
         `key_ok` [B, start+T] says which cache slots hold real tokens (not left padding)."""
         core = self.model.model
-        h = core.embed_tokens(ids)
+        h = F.embedding(ids, core.embed_tokens.weight)
         b, t = ids.shape
         end = start + t
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
@@ -135,7 +137,7 @@ class LeanDecoder:
             bias = bias[:, None, None, :]
         else:
             mask = prefill_mask(key_ok)
-        for layer, (k_cache, v_cache), w in zip(core.layers, cache, fused):
+        for (k_cache, v_cache), w in zip(cache, fused):
             qkv = F.linear(F.rms_norm(h, *w["norm1"]), *w["qkv"]).view(b, t, nh + 2 * nkv, d)
             qk = qkv[:, :, : nh + nkv]
             qk = qk * cos + qk.roll(d // 2, -1) * sin
@@ -150,10 +152,10 @@ class LeanDecoder:
                 out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
                                                      scale=1.0, enable_gqa=nkv != nh)
                 out = out.transpose(1, 2).reshape(b, t, nh * d)
-            h = h + layer.self_attn.o_proj(out)
+            h = h.add_(F.linear(out, *w["o"]))  # h is this call's own tensor (the embedding's output)
             gate, up = F.linear(F.rms_norm(h, *w["norm2"]), *w["gate_up"]).chunk(2, dim=-1)
-            h = h + layer.mlp.down_proj(F.silu(gate).mul_(up))
-        return core.norm(h)
+            h = h.add_(F.linear(F.silu(gate).mul_(up), *w["down"]))
+        return F.rms_norm(h, *rms_norm_args(core.norm))
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, total: int) -> "DecodeStream":
         """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that
@@ -232,7 +234,8 @@ class DecodeStream:
     hidden: torch.Tensor | None = None
 
     def logits(self) -> torch.Tensor:
-        return self.decoder.model.lm_head(self.hidden).float()
+        head = self.decoder.model.lm_head
+        return F.linear(self.hidden, head.weight, head.bias).float()
 
     def keep(self, rows: torch.Tensor) -> None:
         """The batch becomes these rows of the current one (rows may repeat)."""
