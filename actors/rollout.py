@@ -299,6 +299,10 @@ class RolloutWorker:
         tensor-parallel workers (each receives its copy inside the engine)."""
         return getattr(self.backend, "weight_sync_ranks", 1)
 
+    def in_weight_broadcast(self) -> bool:
+        """Whether this worker is a member of the broadcast group (a restarted one is not)."""
+        return self.weight_broadcast is not None or hasattr(self.backend, "open_weight_broadcast")
+
     def open_weight_broadcast(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
                               backend: str, timeout_s: float) -> int:
         if hasattr(self.backend, "open_weight_broadcast"):  # the vLLM engine's workers join themselves

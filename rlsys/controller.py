@@ -497,7 +497,11 @@ class Controller:
         self._sync_by_broadcast(self.ctx.policy_version)
 
     def _sync_by_broadcast(self, version: int) -> None:
-        """Learner rank 0 -> every rollout receiver over the broadcast group, tagged `version`."""
+        """Learner rank 0 -> every rollout receiver over the broadcast group, tagged `version`.
+        A worker restarted since the last generate (its version check has not seen it yet) is
+        outside the group: the group is formed again first."""
+        if self.ctx.readmit is not None and not all(ray.get([w.in_weight_broadcast.remote() for w in self.workers])):
+            open_weight_broadcast(self.cfg, self.learners, self.workers)
         sends = [l.broadcast_weights.remote(version) for l in self.learners]  # all ranks: ZeRO-3 gathers
         acks = [w.receive_weights.remote(version, self.weight_manifest) for w in self.workers]
         ray.get(acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))

@@ -162,6 +162,12 @@ def test_a_restarted_worker_rejoins_the_broadcast_group_and_serves_the_current_v
     ray.get(c.learners[0].__ray_call__.remote(perturb))
     c.sync_weights(2)  # over the group formed again
     served_equals_learner(2)
+    # a worker that dies after a generate and before the next sync: the sync forms the group again
+    os.kill(ray.get(c.workers[1].pid.remote()), signal.SIGKILL)
+    ray.get(c.workers[1].policy_version.remote())  # restarted, at the initial weights
+    ray.get(c.learners[0].__ray_call__.remote(perturb))
+    c.sync_weights(3)
+    served_equals_learner(3)
     c.shutdown()
 
 
