@@ -99,7 +99,7 @@ class Check:
         self.algorithm = build_algorithm(self.cfg)
         self.task = make_task(self.cfg.task, out / "data", self.cfg.run.seed)
         self.tok = train_tokenizer(self.task.corpus(), self.cfg.model.vocab_size)
-        model = build_tiny_model(TinyModelSpec(**self.cfg.model.model_dump(exclude={"path"})), self.tok, seed=self.cfg.run.seed)
+        model = build_tiny_model(TinyModelSpec.from_config(self.cfg.model), self.tok, seed=self.cfg.run.seed)
         self.policy_dir = str(out / "policy")
         save_model_dir(model, self.tok, self.policy_dir)
         self.prompts = [self.tok(self.task.prompt_text(r), add_special_tokens=False)["input_ids"]

@@ -107,34 +107,13 @@ class Bench:
 
     # ---- 1. rollout -------------------------------------------------------------------
     def rollout(self, batch: int = 32, new: int = 64):
-        import torch
-
-        from actors.modeling import pad_sequences
+        """rlsys's HF backend vs plain `generate` told `min_new_tokens = new`: every plain row runs
+        every step; the few rows of the random-init policy that sample eos stop in rlsys."""
         from actors.rollout import RolloutWorker
 
         worker = RolloutWorker(self.policy_dir, "hf", batch_size=64, threads=1)
-        model = worker.backend.model  # the same weights for the baseline
-        reqs = self.requests(batch, new)
-        ids, mask = pad_sequences([r.prompt_ids for r in reqs], self.tok.pad_token_id, left=True)
-        produced = []  # rlsys's tokens per run: a row that samples eos stops (the seed repeats each run)
-
-        def ours():
-            gens = worker.generate(reqs)
-            assert max(len(g.response_ids) for g in gens) == new
-            produced.append(sum(len(g.response_ids) for g in gens))
-
-        @torch.no_grad()
-        def plain():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=True, top_k=0, top_p=1.0, temperature=1.0,  # rlsys's sampling (no top-k 50)
-                                 pad_token_id=self.tok.pad_token_id, use_cache=True)
-            assert out.shape[1] - ids.shape[1] == new
-
-        t_ours, t_plain = paired(ours, plain, self.reps)
-        ours_rate, plain_rate = statistics.mean(produced) / t_ours, batch * new / t_plain
-        self.add(f"rollout tokens/s (batch {batch}, {new} new; rlsys's rows that sample eos stop: "
-                 f"{statistics.mean(produced) / batch:.1f} tokens a row)", f"{ours_rate:.0f}", f"{plain_rate:.0f}",
-                 ours_rate / plain_rate, ">= 2x")
+        _, plain_tokens = self.rollout_figure(worker, batch, new, f"{new} new", min_new_tokens=new)
+        assert plain_tokens == batch * new
         self.worker = worker
         return worker
 
@@ -142,18 +121,15 @@ class Bench:
         """The same batch when responses end at eos at different lengths, as a policy's do in RL:
         the policy's eos logit is raised by a bias on lm_head (one model for both sides) until a
         row of the first step stops with probability `stop_rate` (mean length ~1/stop_rate, capped
-        at `new`). rlsys drops finished rows; plain `generate` runs every row until the last one
-        ends. Tokens = each run's own response tokens up to and including eos."""
+        at `new`). rlsys drops finished rows; plain `generate` runs every row until the last one ends."""
         import torch
 
         from actors.modeling import pad_sequences
         from actors.rollout import RolloutWorker
 
         worker = RolloutWorker(self.policy_dir, "hf", batch_size=64, threads=1)
-        model = worker.backend.model
-        reqs = self.requests(batch, new)
-        ids, mask = pad_sequences([r.prompt_ids for r in reqs], self.tok.pad_token_id, left=True)
-        eos, head = self.tok.eos_token_id, model.lm_head
+        model, eos = worker.backend.model, self.tok.eos_token_id
+        ids, mask = pad_sequences([r.prompt_ids for r in self.requests(batch, new)], self.tok.pad_token_id, left=True)
         with torch.no_grad():
             first = model(input_ids=ids, attention_mask=mask).logits[:, -1].float()
             lo, hi = -50.0, 50.0  # bisect the eos bias on the first step's mean stop probability
@@ -163,8 +139,21 @@ class Bench:
                 p = first.softmax(-1)[:, eos].mean().item()
                 first[:, eos] -= mid
                 lo, hi = (mid, hi) if p < stop_rate else (lo, mid)
-            head.bias = torch.nn.Parameter(torch.zeros(head.out_features).index_fill_(0, torch.tensor([eos]), lo),
-                                           requires_grad=False)
+            model.lm_head.bias = torch.nn.Parameter(
+                torch.zeros(model.lm_head.out_features).index_fill_(0, torch.tensor([eos]), lo), requires_grad=False)
+        self.rollout_figure(worker, batch, new, f"<= {new} new, stopping at eos")
+
+    def rollout_figure(self, worker, batch: int, new: int, label: str, **plain_kwargs) -> tuple[float, float]:
+        """Tokens/s of `worker.generate` vs plain `generate` with the worker's model, sampling the same
+        distribution (no top-k: `generate` defaults to 50), each side counted by its own response
+        tokens up to and including eos. Returns the mean tokens per run (rlsys, plain)."""
+        import torch
+
+        from actors.modeling import pad_sequences
+
+        model, eos = worker.backend.model, self.tok.eos_token_id
+        reqs = self.requests(batch, new)
+        ids, mask = pad_sequences([r.prompt_ids for r in reqs], self.tok.pad_token_id, left=True)
         counts = {"ours": [], "plain": []}
 
         def ours():
@@ -174,16 +163,17 @@ class Bench:
         def plain():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=True, top_k=0,
                                  top_p=1.0, temperature=1.0, eos_token_id=eos, pad_token_id=self.tok.pad_token_id,
-                                 use_cache=True)
+                                 use_cache=True, **plain_kwargs)
             response = out[:, ids.shape[1]:]
             ended = (response == eos).int().cumsum(-1)
             counts["plain"].append(int(((ended == 0) | ((ended == 1) & (response == eos))).sum()))
 
         t_ours, t_plain = paired(ours, plain, self.reps)
         mean_ours, mean_plain = (statistics.mean(counts[k]) for k in ("ours", "plain"))
-        self.add(f"rollout tokens/s (batch {batch}, <= {new} new, stopping at eos: mean length "
-                 f"{mean_ours / batch:.1f} / {mean_plain / batch:.1f})", f"{mean_ours / t_ours:.0f}",
-                 f"{mean_plain / t_plain:.0f}", (mean_ours / t_ours) / (mean_plain / t_plain), ">= 2x")
+        self.add(f"rollout tokens/s (batch {batch}, {label}; tokens a row {mean_ours / batch:.1f} / "
+                 f"{mean_plain / batch:.1f})", f"{mean_ours / t_ours:.0f}", f"{mean_plain / t_plain:.0f}",
+                 (mean_ours / t_ours) / (mean_plain / t_plain), ">= 2x")
+        return mean_ours, mean_plain
 
     def step_table(self, few_shot: int = 0, prompts: int = 32, group: int = 8, new: int = 6):
         """An Experience table of the quickstart's step shape: `prompts` x `group` samples, each
@@ -226,8 +216,7 @@ class Bench:
         from rlsys.models import TinyModelSpec, save_model_dir
         from rlsys.reward_model import build_reward_model
 
-        spec = TinyModelSpec(**self.cfg.model.model_dump(exclude={"path"}))
-        rm_dir = save_model_dir(build_reward_model(self.tok, spec, seed=1), self.tok, Path(self.policy_dir).parent / "rm")
+        rm_dir = save_model_dir(build_reward_model(self.tok, TinyModelSpec.from_config(self.cfg.model), seed=1), self.tok, Path(self.policy_dir).parent / "rm")
         worker = RewardWorker(self.policy_dir, reward_model_dir=str(rm_dir))
 
         @torch.no_grad()

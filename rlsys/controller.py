@@ -88,7 +88,6 @@ class ActorContext:
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
         self.sync_in_flight = None  # waits for the last weight sync (Controller.sync_weights sends it unawaited)
         self.readmit = None  # trainer.weight_sync=broadcast: brings a restarted worker back into the group
-        self.readmit_blocked = None  # or why it cannot (placement.readmit_blocked)
 
     @property
     def workers(self) -> list:
@@ -158,12 +157,8 @@ class ActorContext:
                     served = self.policies[policy]
                     if served.weights_ref is not None:
                         ray.get(worker.load_weights.remote(self.policy_version, served.weights_ref))
-                    elif self.readmit is not None:  # trainer.weight_sync=broadcast
-                        self.readmit()
-                    else:
-                        raise RunFailed(f"rollout worker {served.workers.index(worker)} restarted; the weight-broadcast "
-                                        f"group cannot re-admit it under {self.readmit_blocked}: resume from the last "
-                                        f"checkpoint")
+                    else:  # trainer.weight_sync=broadcast
+                        self.readmit(served.workers.index(worker))
                     self.restarted_workers += 1
                     gens = ray.get(worker.generate.remote(part))
                 for g in gens:
@@ -289,8 +284,7 @@ class Controller:
             model, tokenizer = load_model(cfg.model.path), load_tokenizer(cfg.model.path)
         else:
             tokenizer = train_tokenizer(self.task.corpus(), cfg.model.vocab_size)
-            spec = TinyModelSpec(**cfg.model.model_dump(exclude={"path"}))
-            model = build_tiny_model(spec, tokenizer, seed=cfg.run.seed)
+            model = build_tiny_model(TinyModelSpec.from_config(cfg.model), tokenizer, seed=cfg.run.seed)
         if cfg.sft.steps:
             bar = _bar(cfg.sft.steps, "warm-up", self.progress)
             warm = getattr(self.algorithm, "warmup_task", lambda task, tok: task)(self.task, tokenizer)  # CDG: + game format
@@ -350,9 +344,7 @@ class Controller:
         if cfg.trainer.weight_sync == "broadcast":
             open_weight_broadcast(cfg, self.learners, self.workers)
             self.weight_manifest = self._from_learners([l.weight_manifest.remote() for l in self.learners])[0]
-            self.ctx.readmit_blocked = readmit_blocked(cfg)
-            if self.ctx.readmit_blocked is None:
-                self.ctx.readmit = self._readmit_by_broadcast
+            self.ctx.readmit = self._readmit_by_broadcast
         if teacher_dir:
             self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
         if getattr(self.task, "needs_sandbox", False):
@@ -488,11 +480,15 @@ class Controller:
             raise LearnerFailed(f"learner rank {', '.join(map(str, dead)) or '?'} of {len(self.learners)} died during "
                                 f"step {self.step + 1} ({cause}); the run stopped: {resume}") from None
 
-    def _readmit_by_broadcast(self) -> None:
-        """A rollout worker that Ray restarted comes back outside the broadcast group, with the
+    def _readmit_by_broadcast(self, index: int) -> None:
+        """Rollout worker `index`, restarted by Ray, comes back outside the broadcast group with the
         initial weights: the group is formed again with every worker and the current weights are
         broadcast at the current version. Exact because the learner is idle while the workers
         generate (no overlap_rollout), so its weights are the version the workers serve."""
+        blocked = readmit_blocked(self.cfg)
+        if blocked:
+            raise RunFailed(f"rollout worker {index} restarted; the weight-broadcast group cannot re-admit it under "
+                            f"{blocked}: resume from the last checkpoint")
         open_weight_broadcast(self.cfg, self.learners, self.workers)
         self._sync_by_broadcast(self.ctx.policy_version)
 
@@ -500,7 +496,7 @@ class Controller:
         """Learner rank 0 -> every rollout receiver over the broadcast group, tagged `version`.
         A worker restarted since the last generate (its version check has not seen it yet) is
         outside the group: the group is formed again first."""
-        if self.ctx.readmit is not None and not all(ray.get([w.in_weight_broadcast.remote() for w in self.workers])):
+        if readmit_blocked(self.cfg) is None and not all(ray.get([w.in_weight_broadcast.remote() for w in self.workers])):
             open_weight_broadcast(self.cfg, self.learners, self.workers)
         sends = [l.broadcast_weights.remote(version) for l in self.learners]  # all ranks: ZeRO-3 gathers
         acks = [w.receive_weights.remote(version, self.weight_manifest) for w in self.workers]

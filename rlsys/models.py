@@ -30,6 +30,11 @@ class TinyModelSpec:
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
 
+    @classmethod
+    def from_config(cls, model) -> "TinyModelSpec":
+        """The sizes in a job config's `model` section (its `path` aside)."""
+        return cls(**model.model_dump(exclude={"path"}))
+
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 1, split_digits: bool = True):
     """Train a byte-level BPE on `texts` and wrap it as a `PreTrainedTokenizerFast`.

@@ -130,7 +130,7 @@ def train_from_config(cfg, out: Path, steps: int, batch_size: int, lr: float, pe
     tokenizer = load_tokenizer(init_dir) if init_dir else train_tokenizer(task.corpus(), cfg.model.vocab_size)
     train = preference_pairs(task.rows("train"), task.prompt_text, per_row, cfg.run.seed)
     held_out = preference_pairs(task.rows("eval"), task.prompt_text, per_row, cfg.run.seed + 1)
-    model = build_reward_model(tokenizer, TinyModelSpec(**cfg.model.model_dump(exclude={"path"})), cfg.run.seed, init_dir)
+    model = build_reward_model(tokenizer, TinyModelSpec.from_config(cfg.model), cfg.run.seed, init_dir)
     before = pairwise_accuracy(model, tokenizer, held_out)
     losses = train_reward_model(model, tokenizer, train, steps, batch_size, lr, cfg.run.seed,
                                 on_step=lambda s, l: (s + 1) % 50 == 0 and log(f"step {s + 1}/{steps} loss {l:.4f}"))

@@ -64,41 +64,51 @@ TINY = [
 ]
 
 
-def _worker_weights(worker):
+def _broadcast_controller(tmp_path, name: str):
+    """A started controller with two rollout workers under trainer.weight_sync=broadcast."""
+    from rlsys.config import load_config
+    from rlsys.controller import Controller
+
+    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", f"run.name={name}",
+                                                  "rollout.num_workers=2", "trainer.weight_sync=broadcast",
+                                                  "trainer.sync_timeout_s=30"])
+    c = Controller(cfg, tmp_path / name, progress=False)
+    c.start_actors(c.prepare_policy())
+    return c
+
+
+def _perturb_learner(ray, c) -> None:
+    """Move the learner's weights (stands in for a training step whose advantages might all be
+    zero on a tiny model): the next sync must carry the change."""
+    ray.get(c.learners[0].__ray_call__.remote(
+        lambda self: [p.data.add_(0.01 * torch.randn_like(p)) for p in self.module.policy.parameters()] and None))
+
+
+def _served_equals_learner(ray, c, version: int) -> dict:
+    """Every worker serves `version`, bit-identical to the learner's weights (returned)."""
     from actors.modeling import state_dict_numpy
 
-    return worker.__ray_call__.remote(lambda self: state_dict_numpy(self.backend.model))
+    assert ray.get([w.policy_version.remote() for w in c.workers]) == [version] * len(c.workers)
+    learner = ray.get(c.learners[0].weights.remote())
+    for worker in c.workers:
+        served = ray.get(worker.__ray_call__.remote(lambda self: state_dict_numpy(self.backend.model)))
+        assert served.keys() == learner.keys()
+        assert all(np.array_equal(served[k], learner[k]) for k in learner)  # bit-identical
+    return learner
 
 
 @pytest.mark.integration
 def test_broadcast_sync_on_ray_arrives_bit_identical_and_advances_the_version(ray_cluster, tmp_path):
-    from rlsys.config import load_config
-    from rlsys.controller import Controller, WeightSyncTimeout
+    from rlsys.controller import WeightSyncTimeout
 
     ray = ray_cluster
-    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=bcast",
-                                                  "rollout.num_workers=2", "trainer.weight_sync=broadcast",
-                                                  "trainer.sync_timeout_s=30"])
-    c = Controller(cfg, tmp_path / "bcast", progress=False)
-    c.start_actors(c.prepare_policy())
-    def check_served(version):
-        assert ray.get([w.policy_version.remote() for w in c.workers]) == [version, version]
-        learner = ray.get(c.learners[0].weights.remote())
-        for worker in c.workers:
-            served = ray.get(_worker_weights(worker))
-            assert served.keys() == learner.keys()
-            assert all(np.array_equal(served[k], learner[k]) for k in learner)  # bit-identical
-        return learner
-
+    c = _broadcast_controller(tmp_path, "bcast")
     metrics = c.train_step()  # generate, train, then sync over the gloo group
     assert metrics["policy_version"] == 1
-    before = check_served(1)
-    # the learner's weights move (a perturbation stands in for a training step whose
-    # advantages might all be zero on a tiny model): the next sync must carry the change
-    ray.get(c.learners[0].__ray_call__.remote(
-        lambda self: [p.data.add_(0.01 * torch.randn_like(p)) for p in self.module.policy.parameters()] and None))
+    before = _served_equals_learner(ray, c, 1)
+    _perturb_learner(ray, c)
     c.sync_weights(2)
-    after = check_served(2)
+    after = _served_equals_learner(ray, c, 2)
     assert all(not np.array_equal(before[k], after[k]) for k in after)
     assert c.ctx.weights_ref is None  # no object-store copy of the weights (no evaluator attached)
     # a sync the learner never sends: the receivers wait, the controller fails loudly at the timeout
@@ -130,18 +140,11 @@ def test_a_restarted_worker_rejoins_the_broadcast_group_and_serves_the_current_v
     import os
     import signal
 
-    from rlsys.config import load_config
-    from rlsys.controller import Controller
     from rlsys.generation import GenerationRequest
 
     ray = ray_cluster
-    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=rejoin",
-                                                  "rollout.num_workers=2", "trainer.weight_sync=broadcast",
-                                                  "trainer.sync_timeout_s=30"])
-    c = Controller(cfg, tmp_path / "rejoin", progress=False)
-    c.start_actors(c.prepare_policy())
-    perturb = lambda self: [p.data.add_(0.01 * torch.randn_like(p)) for p in self.module.policy.parameters()] and None
-    ray.get(c.learners[0].__ray_call__.remote(perturb))  # version 1 differs from the initial weights
+    c = _broadcast_controller(tmp_path, "rejoin")
+    _perturb_learner(ray, c)  # version 1 differs from the initial weights
     c.sync_weights(1)
     pid = ray.get(c.workers[0].pid.remote())
     os.kill(pid, signal.SIGKILL)  # Ray restarts it with the initial weights, outside the group
@@ -151,23 +154,16 @@ def test_a_restarted_worker_rejoins_the_broadcast_group_and_serves_the_current_v
     assert sorted(g.request_index for g in gens) == sorted(list(range(4)) * 2)
     assert ray.get(c.workers[0].pid.remote()) != pid
 
-    def served_equals_learner(version):
-        assert ray.get([w.policy_version.remote() for w in c.workers]) == [version, version]
-        learner = ray.get(c.learners[0].weights.remote())
-        for worker in c.workers:
-            served = ray.get(_worker_weights(worker))
-            assert all(np.array_equal(served[k], learner[k]) for k in learner)
-
-    served_equals_learner(1)
-    ray.get(c.learners[0].__ray_call__.remote(perturb))
+    _served_equals_learner(ray, c, 1)
+    _perturb_learner(ray, c)
     c.sync_weights(2)  # over the group formed again
-    served_equals_learner(2)
+    _served_equals_learner(ray, c, 2)
     # a worker that dies after a generate and before the next sync: the sync forms the group again
     os.kill(ray.get(c.workers[1].pid.remote()), signal.SIGKILL)
     ray.get(c.workers[1].policy_version.remote())  # restarted, at the initial weights
-    ray.get(c.learners[0].__ray_call__.remote(perturb))
+    _perturb_learner(ray, c)
     c.sync_weights(3)
-    served_equals_learner(3)
+    _served_equals_learner(ray, c, 3)
     c.shutdown()
 
 
