@@ -118,6 +118,7 @@ class Learner:
             lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps, schedule=lr_schedule, min_ratio=min_lr_ratio))
         self.engine, self.optimizer = self._build_engine(model_dir)
         self.weight_broadcast = None  # rank 0's BroadcastGroup under trainer.weight_sync=broadcast
+        self.shared = None  # rank 0's SharedWeights under trainer.weight_sync=shared_memory
         self.steps = 0
 
     def _build_engine(self, model_dir: str):
@@ -150,9 +151,10 @@ class Learner:
     def module(self):
         return self.engine.module
 
-    def train_step(self, batch) -> dict[str, float]:
+    def train_step(self, batch, shared_slot: int | None = None) -> dict[str, float]:
         """`epochs` passes over `minibatches` shards of this rank's batch, one optimizer
-        step per shard. Returns metrics averaged over the optimizer steps."""
+        step per shard. Returns metrics averaged over the optimizer steps. With `shared_slot`
+        (trainer.weight_sync=shared_memory) the new weights are then written into that slot."""
         from algorithms.base import ModelOutputs  # dataclass only; the algorithm came in as an object
 
         start = time.perf_counter()
@@ -181,6 +183,8 @@ class Learner:
                     sums[k] += v
                 n += 1
         self.steps += 1
+        if shared_slot is not None:
+            self.write_shared(shared_slot)
         out = {k: v / max(n, 1) for k, v in sums.items()}
         out["time/train_rank"] = time.perf_counter() - start
         out["train_tokens"] = float(batch.num_tokens())
@@ -240,6 +244,41 @@ class Learner:
         (one copy fewer per sync: the actor's return value is serialized before the next step)."""
         with self._full_policy() as policy:
             return state_dict_numpy(policy, copy=self.zero_stage == 3) if self.rank == 0 else None
+
+    # ---- trainer.weight_sync=shared_memory (actors/shared_weights.py) ----------------------------
+    def share_weights(self, policy: str, required_free: float = 1.25):
+        """Rank 0 creates the policy's shared-memory weights file (two slots of `weights()`'s
+        arrays) and returns its SharedLayout, or a one-line reason it cannot: /dev/shm lacks
+        `required_free` x the file's size. Collective under ZeRO-3 (returns None on other ranks)."""
+        from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
+
+        with self._full_policy() as policy_module:
+            if self.rank != 0:
+                return None
+            remove_stale()
+            layout = SharedLayout.of(shm_path(policy), state_dict_numpy(policy_module, copy=False))
+            free = shm_free_bytes()
+            if free < required_free * layout.file_bytes:
+                return (f"/dev/shm has {free / 2**20:.1f} MiB free, the weights need {layout.file_bytes / 2**20:.1f} MiB "
+                        f"(two copies) with {required_free - 1:.0%} to spare")
+            self.close_shared()
+            self.shared = SharedWeights(layout, create=True)
+            return layout
+
+    def write_shared(self, slot: int) -> int:
+        """Rank 0 copies the policy's weights into `slot` of its shared file; collective under ZeRO-3."""
+        with self._full_policy() as policy:
+            if self.rank == 0:
+                if self.shared is None:
+                    raise RuntimeError("write_shared before share_weights")
+                self.shared.write(slot, policy.state_dict())
+        return slot
+
+    def close_shared(self) -> None:
+        """Remove the shared weights file (the controller's shutdown)."""
+        if self.shared is not None:
+            self.shared.close(unlink=True)
+        self.shared = None
 
     # ---- trainer.weight_sync=broadcast (actors/weight_broadcast.py) ----------------------------
     def broadcast_endpoint(self) -> tuple[str, int]:
@@ -301,3 +340,8 @@ class Learner:
 
     def ready(self) -> int:
         return self.rank
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()

@@ -275,6 +275,7 @@ class RolloutWorker:
         self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir, quantized=quantized,
                                     specache=specache, decode=decode, **(backend_options or {}))
         self.weight_broadcast = None  # this worker's BroadcastGroup member (trainer.weight_sync=broadcast)
+        self.shared = None  # the learner's SharedWeights file, mapped (trainer.weight_sync=shared_memory)
         self.version = 0
         self.tokens_generated = 0
         self.generate_seconds = 0.0
@@ -292,6 +293,23 @@ class RolloutWorker:
         self.backend.load_weights(weights)
         self.version = version
         return version
+
+    def load_shared(self, version: int, layout, slot: int, *written) -> int:
+        """The weights of `version` from `slot` of the learner's shared-memory file (actors/
+        shared_weights.py), mapped on first use; the model adopts the slot's arrays. `written`:
+        the learner calls that wrote them (Ray runs this call once they have finished)."""
+        from actors.shared_weights import SharedWeights
+
+        if self.shared is None or self.shared.layout != layout:
+            self.shared = SharedWeights(layout)
+        self.backend.load_weights(self.shared.arrays(slot))
+        self.version = version
+        return version
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     # ---- trainer.weight_sync=broadcast (actors/weight_broadcast.py) ----------------------------
     def weight_sync_ranks(self) -> int:

@@ -135,9 +135,10 @@ def build_algorithm(cfg):
                               "set buffer.max_staleness >= 1")
     algorithm = cls(validate_section(cls.Config, cfg.algorithm_params(), prefix="algorithm"))
     policies = policy_names(algorithm)
-    if len(policies) > 1 and (cfg.rollout.backend != "hf" or cfg.trainer.weight_sync != "object_store"):
+    if len(policies) > 1 and (cfg.rollout.backend != "hf" or cfg.trainer.weight_sync == "broadcast"):
         raise ConfigError(f"config error: algorithm '{cfg.algorithm.name}' trains {len(policies)} policies "
-                          f"({', '.join(policies)}): that needs rollout.backend=hf and trainer.weight_sync=object_store")
+                          f"({', '.join(policies)}): that needs rollout.backend=hf and a trainer.weight_sync other "
+                          f"than broadcast")
     return algorithm
 
 

@@ -147,8 +147,11 @@ class TrainerConfig(Section):
     sync_timeout_s: float = Field(120.0, gt=0)
     start_timeout_s: float = Field(600.0, gt=0, description="the most the run's rollout and learner actors may take to "
                                    "start (a cluster that cannot place them ends the run in one line)")
-    weight_sync: Literal["object_store", "broadcast"] = Field(
-        "object_store", description="broadcast: a torch.distributed group from learner rank 0 (NCCL with vllm, else gloo)")
+    weight_sync: Literal["auto", "shared_memory", "object_store", "broadcast"] = Field(
+        "auto", description="shared_memory: a /dev/shm file on learner rank 0's node the workers there map; "
+        "object_store: Ray's object store; auto: shared_memory where every rollout worker is on learner rank 0's "
+        "node and /dev/shm has room, else object_store; broadcast: a torch.distributed group from learner rank 0 "
+        "(NCCL with vllm, else gloo)")
     overlap_rollout: bool = Field(False, description="generate the next step's experience while the learner trains "
                                   "(one policy version behind; needs buffer.max_staleness >= 1; grpo, rloo)")
 

@@ -17,14 +17,15 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from actors.shared_weights import SLOTS
 from algorithms.base import Prompt, build_algorithm, policy_names
 from envs.rewards import build_shaping
 from rlsys.cluster import free_port
 from rlsys.config import ConfigError, JobConfig, dump_config
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (WeightSyncTimeout: re-exported)
 from rlsys.generation import GenerationRequest, SamplingParams
-from rlsys.placement import (acknowledged, learner_gpus, open_weight_broadcast, readmit_blocked, rollout_actor_options,
-                             vllm_options)
+from rlsys.placement import (acknowledged, learner_gpus, open_shared_weights, open_weight_broadcast, readmit_blocked,
+                             rollout_actor_options, vllm_options)
 
 
 class PromptStream:
@@ -61,12 +62,15 @@ class PromptStream:
 
 @dataclasses.dataclass
 class PolicyActors:
-    """The actors of one trained policy: its rollout workers, its learner ranks and the newest
-    weights synced to the workers (None: the initial policy on disk)."""
+    """The actors of one trained policy: its rollout workers, its learner ranks, the newest
+    weights synced to the workers through the object store (None: the initial policy on disk,
+    or not asked for under the other syncs) and its shared-memory weights file's layout (None:
+    it syncs through the object store or the broadcast group)."""
 
     workers: list
     learners: list
     weights_ref: object = None
+    shared: object = None
 
 
 class ActorContext:
@@ -87,7 +91,7 @@ class ActorContext:
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
         self.sync_in_flight = None  # waits for the last weight sync (Controller.sync_weights sends it unawaited)
-        self.readmit = None  # trainer.weight_sync=broadcast: brings a restarted worker back into the group
+        self.readmit = self.reload_weights  # (policy, worker): gives a restarted worker the current weights
 
     @property
     def workers(self) -> list:
@@ -138,8 +142,9 @@ class ActorContext:
 
     def generate_each(self, requests_by_policy: dict) -> dict:
         """`generate` for several policies at once (CDG's per-role models): every worker's share
-        is sent before any is awaited, so the models' workers generate side by side."""
-        self.settle_sync()
+        is sent before any is awaited, so the models' workers generate side by side. A weight
+        sync still in flight is awaited after the calls are sent (a worker runs its calls in
+        order: it loads the weights, then generates) and before any result is used."""
         with self.timed("generate"):
             calls = []
             for policy, requests in requests_by_policy.items():
@@ -150,15 +155,13 @@ class ActorContext:
                         part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w))
                                 for i in idx]
                         calls.append((policy, worker, idx, part, worker.generate.remote(part)))
+        self.settle_sync()  # a failed sync raises here, before rows by the old weights are used
+        with self.timed("generate"):
             out = {policy: [] for policy in requests_by_policy}
             for policy, worker, idx, part, fut in calls:
                 gens = ray.get(fut)
                 if any(g.policy_version != self.policy_version for g in gens):
-                    served = self.policies[policy]
-                    if served.weights_ref is not None:
-                        ray.get(worker.load_weights.remote(self.policy_version, served.weights_ref))
-                    else:  # trainer.weight_sync=broadcast
-                        self.readmit(served.workers.index(worker))
+                    self.readmit(policy, worker)
                     self.restarted_workers += 1
                     gens = ray.get(worker.generate.remote(part))
                 for g in gens:
@@ -166,6 +169,10 @@ class ActorContext:
                     out[policy].append(g)
             self.tokens_generated += sum(len(g.response_ids) for gens in out.values() for g in gens)
             return out
+
+    def reload_weights(self, policy: str, worker) -> None:
+        """The last object-store sync's weights into `worker` (the controller's `readmit` knows the other syncs)."""
+        ray.get(worker.load_weights.remote(self.policy_version, self.policies[policy].weights_ref))
 
     def score(self, table):
         with self.timed("reward"):
@@ -341,10 +348,11 @@ class Controller:
             self.shutdown()  # none of them stays queued on the cluster
             raise
         self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward, cfg.run.seed)
+        self.ctx.readmit = self._readmit
+        open_shared_weights(cfg, self.policies)
         if cfg.trainer.weight_sync == "broadcast":
             open_weight_broadcast(cfg, self.learners, self.workers)
             self.weight_manifest = self._from_learners([l.weight_manifest.remote() for l in self.learners])[0]
-            self.ctx.readmit = self._readmit_by_broadcast
         if teacher_dir:
             self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
         if getattr(self.task, "needs_sandbox", False):
@@ -360,9 +368,21 @@ class Controller:
             self.ctx.settle_sync()
         except Exception:  # noqa: BLE001 - a failed run's sync may have failed with it
             pass
+        self.close_shared_weights()
         for actor in [self.reference, self.reward, self.buffer, *(a for p in self.policies.values()
                                                                     for a in [*p.workers, *p.learners])]:
             ray.kill(actor)
+
+    def close_shared_weights(self) -> None:
+        """Remove the policies' shared-memory weights files (at the end of a run, at shutdown); a
+        file a dead learner left is removed by the next learner on its node (`remove_stale`)."""
+        closing = [p.learners[0].close_shared.remote() for p in self.policies.values() if p.shared is not None]
+        try:
+            ray.get(closing, timeout=10)
+        except Exception:  # noqa: BLE001 - a dead learner cannot answer; its file is swept later
+            pass
+        for p in self.policies.values():
+            p.shared = None
 
     def _check_sandbox(self) -> None:
         """A task that runs code gets the configured backend and limits, or the run stops here
@@ -411,17 +431,22 @@ class Controller:
             if getattr(self.algorithm, "restarts_policy", lambda t: False)(table):  # ReST: a round retrains from the start
                 with ctx.timed("restart"):
                     self._from_learners([l.restart.remote(str(self.policy_dir)) for l in self.all_learners()])
-            training = {name: [l.train_step.remote(s) for l, s in zip(learners, batch.split(len(learners)))]
-                        for name, batch in batches.items() for learners in [self.policies[name].learners]}
-            if overlap and self.step + 1 < cfg.trainer.steps:
+            training = self._train(batches, ctx.policy_version + 1)
+            prefetch = overlap and self.step + 1 < cfg.trainer.steps
+            early_sync = not prefetch and cfg.trainer.weight_sync != "broadcast"
+            if early_sync:  # sent with the step: the workers' loads wait on the learner, not on the controller
+                with ctx.timed("sync"):
+                    self.sync_weights(ctx.policy_version + 1, training)
+            if prefetch:
                 self.put_rollout()  # the next step's rows, by the current weights, while the learner trains
                 self.prefetched = True
             with ctx.timed("train"):  # under overlap: the wait left after the next rollout
                 for name, refs in training.items():  # the run's policy's metrics plain, the others' under "<name>/"
                     prefix = "" if name == ctx.main_policy else f"{name}/"
                     metrics.update({prefix + k: v for k, v in rank_means(self._from_learners(refs)).items()})
-            with ctx.timed("sync"):
-                self.sync_weights(ctx.policy_version + 1)
+            if not early_sync:
+                with ctx.timed("sync"):
+                    self.sync_weights(ctx.policy_version + 1, training)
         self.step += 1
         rewards = np.asarray(table.column("reward").to_pylist())
         lengths = [len(x) for x in table.column("response_ids").to_pylist()]
@@ -440,6 +465,19 @@ class Controller:
         metrics["perf/tokens_per_s"] = generated / max(ctx.timings.get("generate", 0.0), 1e-9)
         metrics["perf/samples_per_s"] = table.num_rows / metrics["time/step"]
         return metrics
+
+    def _train(self, batches: dict, version: int) -> dict[str, list]:
+        """Send each policy's batch to its learner ranks; their metrics refs per policy. A policy
+        with a shared-memory weights file has the step write `version` into its slot; the sync
+        sent before (the workers' loads of the slot this one overwrites) is awaited first."""
+        if any(self.policies[name].shared is not None for name in batches):
+            self.ctx.settle_sync()
+        training = {}
+        for name, batch in batches.items():
+            p = self.policies[name]
+            slot = version % SLOTS if p.shared is not None else None
+            training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, batch.split(len(p.learners)))]
+        return training
 
     def _rows_per_policy(self, table):
         """The step's rows by the policy they train: all to the run's policy, unless the
@@ -480,6 +518,17 @@ class Controller:
             raise LearnerFailed(f"learner rank {', '.join(map(str, dead)) or '?'} of {len(self.learners)} died during "
                                 f"step {self.step + 1} ({cause}); the run stopped: {resume}") from None
 
+    def _readmit(self, policy: str, worker) -> None:
+        """A rollout worker that Ray restarted (back with the initial weights) gets the current ones
+        by the run's weight sync."""
+        p, version = self.policies[policy], self.ctx.policy_version
+        if self.cfg.trainer.weight_sync == "broadcast":
+            self._readmit_by_broadcast(p.workers.index(worker))
+        elif p.shared is not None:
+            ray.get(worker.load_shared.remote(version, p.shared, version % SLOTS))
+        else:
+            ray.get(worker.load_weights.remote(version, p.weights_ref))
+
     def _readmit_by_broadcast(self, index: int) -> None:
         """Rollout worker `index`, restarted by Ray, comes back outside the broadcast group with the
         initial weights: the group is formed again with every worker and the current weights are
@@ -503,30 +552,48 @@ class Controller:
         ray.get(acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
         self._from_learners(sends)
         self.ctx.policy_version = version
-        if self.attached is not None and self.attached.specs():  # attached evaluators take weights by reference
-            refs = [l.weights.remote() for l in self.learners]
-            self._from_learners(refs[1:])
-            self.ctx.weights_ref = refs[0]
+        self.ctx.weights_ref = None  # asked for when needed (`_weights_ref`)
 
-    def sync_weights(self, version: int) -> None:
-        """Learner rank 0 -> every rollout worker through the object store, as numpy arrays
-        (or over the broadcast group under trainer.weight_sync=broadcast).
-        The object-store sync is sent, not awaited: an actor runs its calls in order, so the
-        learner hands out these weights before its next step and a worker loads them before
-        its next generate; the controller waits for it (`ctx.settle_sync`) only before it next
-        generates or checkpoints, meanwhile taking and preparing the next batch."""
+    def _weights_ref(self, policy: str | None = None):
+        """An object ref to the policy's current weights (attached evaluators, a restarted worker):
+        the last object-store sync's, or, under the shared-memory and broadcast syncs, asked of
+        the learner once per version."""
+        p = self.policies[policy or self.ctx.main_policy]
+        if p.weights_ref is None and self.ctx.policy_version > 0:
+            refs = [l.weights.remote() for l in p.learners]  # ZeRO-3: every rank joins the gather
+            self._from_learners(refs[1:])
+            p.weights_ref = refs[0]
+        return p.weights_ref
+
+    def sync_weights(self, version: int, training: dict[str, list] | None = None) -> None:
+        """Learner rank 0 -> every rollout worker: through its shared-memory file on the same node
+        (the slot the step wrote, or one written now), else through the object store as numpy
+        arrays, or over the broadcast group under trainer.weight_sync=broadcast.
+        The first two are sent, not awaited: an actor runs its calls in order, so the learner
+        hands out these weights before its next step and a worker loads them before its next
+        generate; the controller waits for it (`ctx.settle_sync`) only when it next uses the
+        workers' results or checkpoints, meanwhile taking and preparing the next batch.
+        `training`: per policy, this step's train calls (they may still run: a worker's load of
+        the slot they write waits on them)."""
         self.ctx.settle_sync()
         if self.cfg.trainer.weight_sync == "broadcast":
             self._sync_by_broadcast(version)
             self.buffer_calls.append(self.buffer.set_policy_version.remote(version))
             return
-        refs = {name: [l.weights.remote() for l in p.learners] for name, p in self.policies.items()}  # ZeRO-3: all ranks
-        acks = [w.load_weights.remote(version, refs[name][0]) for name, p in self.policies.items() for w in p.workers]
-        gathered = [ref for r in refs.values() for ref in r[1:]]
+        acks, gathered = [], []
+        for name, p in self.policies.items():
+            if p.shared is not None:
+                written = (training or {}).get(name) or [l.write_shared.remote(version % SLOTS) for l in p.learners]
+                acks += [w.load_shared.remote(version, p.shared, version % SLOTS, written[0]) for w in p.workers]
+                gathered += written[1:]
+                p.weights_ref = None  # asked for when needed (`_weights_ref`)
+            else:
+                refs = [l.weights.remote() for l in p.learners]  # ZeRO-3: every rank joins the gather
+                acks += [w.load_weights.remote(version, refs[0]) for w in p.workers]
+                gathered += refs[1:]
+                p.weights_ref = refs[0]
         timeout = self.cfg.trainer.sync_timeout_s
         self.ctx.sync_in_flight = lambda: self._from_learners(gathered + acknowledged(acks, version, timeout))
-        for name, p in self.policies.items():
-            p.weights_ref = refs[name][0]
         self.ctx.policy_version = version
         self.buffer_calls.append(self.buffer.set_policy_version.remote(version))
 
@@ -607,8 +674,6 @@ class Controller:
 
     # ---- the whole run -------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict:
-        from rlsys.tracking import Tracker, read_jsonl
-
         from rlsys.checkpoint import CheckpointError, candidates
 
         cfg = self.cfg
@@ -623,6 +688,15 @@ class Controller:
         t0 = time.perf_counter()
         policy_dir = self.prepare_policy()
         self.start_actors(policy_dir)
+        try:
+            return self._loop(resume, policy_dir, t0)
+        finally:
+            self.close_shared_weights()
+
+    def _loop(self, resume: bool, policy_dir: Path, t0: float) -> dict:
+        from rlsys.tracking import Tracker, read_jsonl
+
+        cfg = self.cfg
         tracker = Tracker(self.run_dir)
         if resume:
             path = self.restore()
@@ -640,7 +714,7 @@ class Controller:
         while self.step < cfg.trainer.steps:
             metrics = self.train_step()
             handoff = time.perf_counter()  # the loop's whole cost of attached evaluators at this boundary
-            for row in self.attached.poll(self.step, self.ctx.policy_version, self.ctx.weights_ref):
+            for row in self.attached.poll(self.step, self.ctx.policy_version, self._weights_ref):
                 tracker.log_eval(*row)
             metrics["time/eval_handoff"] = time.perf_counter() - handoff
             last_step = self.step == cfg.trainer.steps

@@ -317,8 +317,9 @@ class AttachedEvaluators:
         self.pending = keep
         return rows
 
-    def poll(self, step: int, version: int, weights_ref, timeout: float = 5.0) -> list[tuple]:
-        """Pick up attach/detach, collect finished results, hand off this step's evaluations."""
+    def poll(self, step: int, version: int, weights, timeout: float = 5.0) -> list[tuple]:
+        """Pick up attach/detach, collect finished results, hand off this step's evaluations.
+        `weights()`: the policy's weights (an object ref), asked for only when an evaluation is due."""
         import ray
 
         try:
@@ -326,12 +327,14 @@ class AttachedEvaluators:
         except ray.exceptions.GetTimeoutError:  # a busy machine: keep the evaluators as they are
             print(f"rlsys: evaluator registry did not answer within {timeout:.0f} s at step {step}", file=sys.stderr)
         rows = self._collect(timeout=0)
+        weights_ref = None
         for name, (spec, actor) in self.active.items():
             if step % spec["every"]:
                 continue
             if sum(p[0] == name for p in self.pending) >= MAX_PENDING:
                 print(f"rlsys: evaluator {name} is behind; skipping step {step}", file=sys.stderr)
                 continue
+            weights_ref = weights() if weights_ref is None else weights_ref
             self.pending.append((name, step, actor.evaluate.remote(version, weights_ref)))
         return rows
 

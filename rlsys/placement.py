@@ -95,3 +95,27 @@ def acknowledged(acks: list, version: int, timeout: float) -> list:
             f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
             f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
     return ready
+
+
+def open_shared_weights(cfg: JobConfig, policies: dict) -> None:
+    """`trainer.weight_sync: auto | shared_memory`: a policy whose rollout workers all run on
+    its learner rank 0's node gets a shared-memory weights file (`PolicyActors.shared`, see
+    actors/shared_weights.py); under `auto` the others keep the object store, under
+    `shared_memory` a policy that cannot have one ends the run in one line."""
+    mode = cfg.trainer.weight_sync
+    if mode not in ("auto", "shared_memory"):
+        return
+    for name, p in policies.items():
+        learner_node, *worker_nodes = ray.get([p.learners[0].node_id.remote(), *[w.node_id.remote() for w in p.workers]])
+        elsewhere = sum(node != learner_node for node in worker_nodes)
+        if elsewhere:
+            why = f"{elsewhere} of {len(worker_nodes)} rollout workers run on another node than learner rank 0"
+        else:
+            shared = ray.get([l.share_weights.remote(name) for l in p.learners])[0]  # collective under ZeRO-3
+            if not isinstance(shared, str):
+                p.shared = shared
+                continue
+            why = shared
+        if mode == "shared_memory":
+            raise RunFailed(f"trainer.weight_sync=shared_memory for policy '{name}': {why} "
+                            f"(use trainer.weight_sync=auto or object_store)")

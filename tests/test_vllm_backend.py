@@ -184,7 +184,7 @@ def test_config_keys_for_vllm_and_weight_sync():
                                                   "learner.bf16=true"])
     assert (cfg.rollout.tensor_parallel_size, cfg.rollout.gpu_memory_utilization) == (2, 0.6)
     assert cfg.trainer.weight_sync == "broadcast" and cfg.learner.bf16
-    assert load_config("configs/quickstart.yaml").trainer.weight_sync == "object_store"
+    assert load_config("configs/quickstart.yaml").trainer.weight_sync == "auto"
     for override, words in [("rollout.tensor_parallel_size=2", "rollout.backend 'vllm' only"),
                             ("rollout.gpu_memory_utilization=0.5", "rollout.backend 'vllm' only"),
                             ("trainer.weight_sync=nccl", "'object_store' or 'broadcast'")]:

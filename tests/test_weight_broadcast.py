@@ -186,5 +186,5 @@ def test_broadcast_sync_with_several_trained_policies_is_a_config_error():
 
     cfg = load_config("configs/cdg.yaml", ["algorithm.models=per_role", "trainer.weight_sync=broadcast"])
     with pytest.raises(ConfigError, match="trains 3 policies \\(prover, helpful, misleading\\): that needs "
-                                          "rollout.backend=hf and trainer.weight_sync=object_store"):
+                                          "rollout.backend=hf and a trainer.weight_sync other than broadcast"):
         build_algorithm(cfg)

@@ -1,0 +1,134 @@
+"""Weight sync through shared memory, for rollout workers on learner rank 0's node
+(`trainer.weight_sync: shared_memory`, and what `auto` picks there).
+
+Learner rank 0 keeps a file in /dev/shm holding two copies ("slots") of the policy's
+state dict, each tensor at a 64-byte aligned offset. After an optimizer step it copies its
+weights into slot `version % 2`; a worker maps the file and points its model's parameters
+at the slot's arrays (no copy, as with the object store's read-only buffers). Only a
+version number and the slot travel through Ray, so a sync costs one memory copy on the
+learner and two small actor calls, not a serialization into the object store and back.
+
+Two slots let the workers serve version v from one while the learner writes v + 1 into
+the other (`trainer.overlap_rollout`); the controller waits for every worker's load of
+v before the learner may write v + 2 over v's slot (Controller._train settles the sync
+first). A file outlives a killed learner: the next learner on the node removes files
+whose owner process is gone (`remove_stale`), and the controller removes its own at
+shutdown.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHM_DIR = Path("/dev/shm")
+SLOTS = 2
+ALIGN = 64
+_NAME = re.compile(r"^rlsys-weights-(\d+)-")
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """Where each tensor of one slot lies in the file: (name, shape, numpy dtype, byte offset)."""
+
+    path: str
+    slot_bytes: int
+    entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
+
+    @classmethod
+    def of(cls, path: str | Path, arrays: dict[str, np.ndarray]) -> "SharedLayout":
+        entries, offset = [], 0
+        for name, a in arrays.items():
+            entries.append((name, tuple(a.shape), a.dtype.str, offset))
+            offset += -(-a.nbytes // ALIGN) * ALIGN
+        return cls(str(path), max(offset, ALIGN), tuple(entries))
+
+    @property
+    def file_bytes(self) -> int:
+        return SLOTS * self.slot_bytes
+
+
+def shm_path(policy: str) -> Path:
+    """This process's file for `policy`: the pid in the name lets `remove_stale` find files of dead owners."""
+    return SHM_DIR / f"rlsys-weights-{os.getpid()}-{re.sub(r'[^A-Za-z0-9_.-]', '_', policy)}"
+
+
+def shm_free_bytes() -> int:
+    """Bytes free in /dev/shm (0 where there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def remove_stale(directory: Path = SHM_DIR) -> list[Path]:
+    """Delete weight files whose owner process no longer exists (a learner killed without its
+    controller's shutdown); returns what was removed."""
+    removed = []
+    for path in directory.glob("rlsys-weights-*"):
+        m = _NAME.match(path.name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # the owner is alive (or another user's: PermissionError below)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+class SharedWeights:
+    """One process's mapping of a weights file: the learner creates and writes it, workers read it."""
+
+    def __init__(self, layout: SharedLayout, create: bool = False):
+        self.layout = layout
+        if create:
+            with open(layout.path, "wb") as f:
+                f.truncate(layout.file_bytes)
+        elif os.path.getsize(layout.path) != layout.file_bytes:
+            raise ValueError(f"shared weights file {layout.path} is {os.path.getsize(layout.path)} bytes, "
+                             f"the layout needs {layout.file_bytes}")
+        self.buffer = np.memmap(layout.path, dtype=np.uint8, mode="r+", shape=(layout.file_bytes,))
+        self._views: dict[int, dict[str, np.ndarray]] = {}
+
+    def arrays(self, slot: int) -> dict[str, np.ndarray]:
+        """The slot's tensors as numpy views of the mapping (valid while this object lives)."""
+        if not 0 <= slot < SLOTS:
+            raise ValueError(f"slot {slot} (the file has {SLOTS})")
+        if slot not in self._views:
+            self._views[slot] = self._slot_views(slot)
+        return self._views[slot]
+
+    def _slot_views(self, slot: int) -> dict[str, np.ndarray]:
+        base = slot * self.layout.slot_bytes
+        out = {}
+        for name, shape, dtype, offset in self.layout.entries:
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            start = base + offset
+            out[name] = self.buffer[start : start + count * dt.itemsize].view(dt).reshape(shape)
+        return out
+
+    def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy `tensors` (by layout name; any device, cast to the layout's dtype) into `slot`."""
+        views = self.arrays(slot)
+        missing = [name for name in views if name not in tensors]
+        if missing:
+            raise KeyError(f"shared weights: no tensor for {missing[:3]} ({len(missing)} missing)")
+        with torch.no_grad():
+            for name, view in views.items():
+                torch.from_numpy(view).copy_(tensors[name].detach().reshape(view.shape))
+
+    def close(self, unlink: bool = False) -> None:
+        self.buffer, self._views = None, {}
+        if unlink:
+            Path(self.layout.path).unlink(missing_ok=True)
