@@ -172,7 +172,7 @@ class LeanDecoder:
         stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0, attention_mask.bool(),
                                      stream.fused, stream.rotary)[:, -1]
         if repeated:
-            stream.keep(row_of)
+            stream.keep(row_of, filled=input_ids.shape[1])
         return stream
 
     @torch.no_grad()
@@ -214,7 +214,7 @@ class LeanDecoder:
                     break
                 live, token, next_position, key_ok = live[keep], token[keep], next_position[keep], key_ok[keep]
                 for stream in streams:
-                    stream.keep(keep)
+                    stream.keep(keep, filled=p + step)
             slot = p + step
             key_ok[:, slot] = True
             for stream in streams:
@@ -237,9 +237,15 @@ class DecodeStream:
         head = self.decoder.model.lm_head
         return F.linear(self.hidden, head.weight, head.bias).float()
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """The batch becomes these rows of the current one (rows may repeat)."""
-        self.cache = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cache]
+    def keep(self, rows: torch.Tensor, filled: int) -> None:
+        """The batch becomes these rows of the current one (rows may repeat). Only the first
+        `filled` cache slots hold tokens: only they are copied (the rest is written later)."""
+        def select(cache: torch.Tensor) -> torch.Tensor:
+            out = cache.new_empty((len(rows), *cache.shape[1:]))
+            torch.index_select(cache[:, :, :filled], 0, rows, out=out[:, :, :filled])
+            return out
+
+        self.cache = [(select(k), select(v)) for k, v in self.cache]
         if self.hidden is not None:
             self.hidden = self.hidden.index_select(0, rows)
 
