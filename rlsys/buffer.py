@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rlsys.experience import EXPERIENCE_SCHEMA, concat_experience, validate_experience
+from rlsys.experience import EXPERIENCE_SCHEMA, concat_experience, send_tables_as_ipc, validate_experience
 
 
 class ExperienceBuffer:
@@ -25,6 +25,7 @@ class ExperienceBuffer:
         self.version = 0
         self.rng = np.random.default_rng(seed)
         self.dropped_stale = 0
+        send_tables_as_ipc()  # as a Ray actor, `take` and `sample` send tables back
 
     def set_policy_version(self, version: int) -> None:
         self.version = version

@@ -39,6 +39,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: 
 
         if not ray.is_initialized():
             ray.init(address=address, **quiet)
+        from rlsys.experience import send_tables_as_ipc
+
+        send_tables_as_ipc()
         return
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return
@@ -60,3 +63,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: 
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}},
         **quiet,
     )
+    from rlsys.experience import send_tables_as_ipc
+
+    send_tables_as_ipc()

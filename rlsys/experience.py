@@ -6,6 +6,7 @@ optional columns with nulls so every part can rely on the names being present.
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from typing import Any, Sequence
 
@@ -80,3 +81,26 @@ def concat_experience(tables: Sequence[pa.Table]) -> pa.Table:
 
 def meta_of(table: pa.Table) -> list[dict]:
     return [json.loads(m) for m in table.column("meta").to_pylist()]
+
+
+def table_to_ipc(table: pa.Table) -> pa.Buffer:
+    """The table as one Arrow IPC stream (only a slice's rows, not its parent's buffers)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def table_from_ipc(buffer) -> pa.Table:
+    return pa.ipc.open_stream(buffer).read_all()
+
+
+def send_tables_as_ipc() -> None:
+    """Have Ray send Arrow tables from this process as one IPC stream each. Its own reducer
+    takes a table apart column by column (safe for slices, but ~1 ms more per actor call with
+    an Experience table than the IPC stream, which slices correctly too). Called where tables
+    are sent from: the driver (`rlsys.cluster.init_ray`) and the buffer actor; the receiving
+    process needs nothing (the pickle names `table_from_ipc`)."""
+    ray = sys.modules.get("ray")  # not imported: no Ray here (importing it would fix its settings too early)
+    if ray is not None and ray.is_initialized():
+        ray.util.register_serializer(pa.Table, serializer=table_to_ipc, deserializer=table_from_ipc)

@@ -42,6 +42,28 @@ def test_buffer_put_take_sample_staleness_and_parquet_round_trip(tmp_path):
     assert other.table.equals(buf.table.slice(2))
 
 
+def test_tables_travel_as_one_ipc_stream_holding_only_a_slices_rows():
+    from rlsys.experience import table_from_ipc, table_to_ipc
+
+    table = make_experience(rows(400))
+    part = table.slice(100, 8)
+    back = table_from_ipc(table_to_ipc(part))
+    assert back.equals(part) and back.schema.equals(EXPERIENCE_SCHEMA)
+    assert table_to_ipc(part).size < table_to_ipc(table).size / 10
+
+
+@pytest.mark.integration
+def test_the_buffer_actor_hands_back_the_rows_put_into_it(ray_cluster):
+    """Tables go to and from the buffer actor as IPC streams (registered in the driver and the actor)."""
+    ray = ray_cluster
+    buf = ray.remote(ExperienceBuffer).remote(max_staleness=0)
+    table = make_experience(rows(40))
+    ray.get(buf.put.remote(table.slice(10)))
+    taken = ray.get(buf.take.remote(5))
+    assert taken.equals(table.slice(10, 5)) and ray.get(buf.size.remote()) == 25
+    ray.kill(buf)
+
+
 def test_collate_aligns_per_token_columns_with_targets():
     r = rows(1)[0]
     r.update(prompt_ids=[7, 8], response_ids=[9, 10, 11], logprobs=[-1.0, -2.0, -3.0], loss_mask=[1, 0, 1])
