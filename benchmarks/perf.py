@@ -432,6 +432,9 @@ class Bench:
         ours, overlapped, theirs, rewards, over_rewards, phases, lengths, threads = [], [], [], [], [], {}, [], set()
 
         class Interleave(TrainerCallback):  # one step of each rlsys run after each TRL step: drift hits all alike
+            def on_train_begin(self, *a, **k):  # accelerate may have set 2 threads (DeepSpeed's env from an earlier figure)
+                torch.set_num_threads(1)
+
             def on_step_begin(self, *a, **k):
                 self.t = time.perf_counter()
 

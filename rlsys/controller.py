@@ -555,9 +555,9 @@ class Controller:
         self.ctx.weights_ref = None  # asked for when needed (`_weights_ref`)
 
     def _weights_ref(self, policy: str | None = None):
-        """An object ref to the policy's current weights (attached evaluators, a restarted worker):
-        the last object-store sync's, or, under the shared-memory and broadcast syncs, asked of
-        the learner once per version."""
+        """An object ref to the policy's current weights (for attached evaluators): the last
+        object-store sync's, or, under the shared-memory and broadcast syncs, asked of the
+        learner once per version."""
         p = self.policies[policy or self.ctx.main_policy]
         if p.weights_ref is None and self.ctx.policy_version > 0:
             refs = [l.weights.remote() for l in p.learners]  # ZeRO-3: every rank joins the gather
