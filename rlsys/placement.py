@@ -1,5 +1,6 @@
-"""Where the controller's actors go on a cluster with GPUs, and the weight-broadcast group
-(`trainer.weight_sync: broadcast`): the parts of the controller that only GPU runs need.
+"""Where the controller's actors go on a cluster with GPUs, the weight-broadcast group
+(`trainer.weight_sync: broadcast`) and the shared-memory weights files (`auto`, `shared_memory`):
+how the controller's actors are placed and reach each other.
 
 On a CPU cluster every rollout worker takes half a CPU and the learner ranks no GPU; with
 `rollout.backend: vllm` each engine gets a placement-group bundle of
