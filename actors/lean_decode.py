@@ -162,13 +162,15 @@ class LeanDecoder:
         fills several rows (n samples of one prompt, GRPO's group) is prefilled once and its
         cache copied to each of its rows."""
         weight = self.model.lm_head.weight
+        rows = len(input_ids)  # the cache buffers' rows: the batch only shrinks after the prompts are copied out
         distinct, row_of = torch.unique(torch.cat([input_ids, attention_mask.long()], 1), dim=0, return_inverse=True)
         repeated = len(distinct) < len(input_ids)
         if repeated:
             input_ids, attention_mask = distinct[:, : input_ids.shape[1]], distinct[:, input_ids.shape[1]:]
-        shape = (input_ids.shape[0], self.num_kv_heads, total, self.head_dim)
-        cache = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.model.layers]
-        stream = DecodeStream(self, cache, self.fused_weights(), self.rotary_tables(total, weight))
+        shape = (rows, self.num_kv_heads, total, self.head_dim)
+        buffers = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.model.layers]
+        cache = [(k[: len(input_ids)], v[: len(input_ids)]) for k, v in buffers]
+        stream = DecodeStream(self, buffers, cache, self.fused_weights(), self.rotary_tables(total, weight))
         stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0, attention_mask.bool(),
                                      stream.fused, stream.rotary)[:, -1]
         if repeated:
@@ -225,9 +227,11 @@ class LeanDecoder:
 
 @dataclass
 class DecodeStream:
-    """One model's decode state over a batch: its KV cache and the hidden state of the last token."""
+    """One model's decode state over a batch: its KV cache (the leading rows of its buffers)
+    and the hidden state of the last token."""
 
     decoder: LeanDecoder
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
     cache: list[tuple[torch.Tensor, torch.Tensor]]
     fused: list[dict]
     rotary: tuple[torch.Tensor, torch.Tensor]
@@ -238,14 +242,17 @@ class DecodeStream:
         return F.linear(self.hidden, head.weight, head.bias).float()
 
     def keep(self, rows: torch.Tensor, filled: int) -> None:
-        """The batch becomes these rows of the current one (rows may repeat). Only the first
-        `filled` cache slots hold tokens: only they are copied (the rest is written later)."""
-        def select(cache: torch.Tensor) -> torch.Tensor:
-            out = cache.new_empty((len(rows), *cache.shape[1:]))
-            torch.index_select(cache[:, :, :filled], 0, rows, out=out[:, :, :filled])
-            return out
-
-        self.cache = [(select(k), select(v)) for k, v in self.cache]
+        """The batch becomes these rows of the current one (rows may repeat, up to the buffers'
+        rows). Only the first `filled` cache slots hold tokens: they are gathered (into a small
+        temporary: a row may be another's target) and written to the front of the same buffers,
+        so no cache is allocated again and the slots after `filled` are not copied."""
+        n = len(rows)
+        cache = []
+        for (k, v), (k_buf, v_buf) in zip(self.cache, self.buffers):
+            k_buf[:n, :, :filled] = k[:, :, :filled].index_select(0, rows)
+            v_buf[:n, :, :filled] = v[:, :, :filled].index_select(0, rows)
+            cache.append((k_buf[:n], v_buf[:n]))
+        self.cache = cache
         if self.hidden is not None:
             self.hidden = self.hidden.index_select(0, rows)
 
