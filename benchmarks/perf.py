@@ -526,7 +526,7 @@ def main(argv: list[str]) -> None:
     if "e2e" not in only:
         note = ""
     elif not note:
-        note = "\n" + bench.end_to_end(steps=4 if args.quick else 10, sft_steps=300 if args.quick else 800)
+        note = "\n" + bench.end_to_end(steps=4 if args.quick else 30, sft_steps=300 if args.quick else 800)
     print(f"\nbenchmarks/perf.py {' '.join(argv)} ({time.perf_counter() - t0:.0f} s); ratio = rlsys / baseline\n")
     print(bench.table())
     print(note)
