@@ -610,9 +610,11 @@ class Controller:
         return {"accuracy": float(np.mean(correct)), "n": float(len(correct))}
 
     # ---- checkpoints -------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, metrics: dict | None = None) -> Path:
         """Learner (DeepSpeed: model, optimizer, scheduler on every rank), buffer, data cursor,
-        RNG states, algorithm state, step/version, config and an HF export; atomically."""
+        RNG states, algorithm state, step/version, config and an HF export; atomically.
+        `metrics`: the step's row, logged after the checkpoint; kept in it so a run killed in
+        between gets the row back on resume."""
         from rlsys import checkpoint
 
         self.ctx.settle_sync()  # a checkpoint is written only after its weights reached the workers
@@ -634,6 +636,7 @@ class Controller:
             "buffer_rng": ray.get(self.buffer.rng_state.remote()),
             "algorithm": self.algorithm.state(),
             "evaluators": self.attached.specs() if self.attached else [],
+            "metrics": {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float, np.number))},
         }
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(dump_config(self.cfg))
@@ -668,6 +671,7 @@ class Controller:
             self.prefetched = ray.get(self.buffer.stats.remote())["size"] > 0  # overlap: rows saved with the checkpoint
             self.algorithm.load_state(state["algorithm"])
             self.restored_evaluators = state.get("evaluators", [])
+            self.restored_metrics = state.get("metrics")
             self.sync_weights(state["policy_version"])
             return path
         raise checkpoint.CheckpointError(f"no readable checkpoint in {self.run_dir / 'checkpoints'}")
@@ -701,6 +705,8 @@ class Controller:
         if resume:
             path = self.restore()
             tracker.truncate_after(self.step)
+            if self.restored_metrics and not any(r["step"] == self.step for r in read_jsonl(tracker.metrics_path)):
+                tracker.log(self.step, self.restored_metrics)  # killed between the checkpoint and its row
             print(f"rlsys: resumed {cfg.run.name} from {path.name} (step {self.step})", file=sys.stderr)
             evals = [r for r in read_jsonl(tracker.evals_path) if r["evaluator"] == "heldout"]  # not attached ones
             first = evals[0] if evals else self.evaluate()
@@ -725,7 +731,7 @@ class Controller:
                 for row in self.attached.drain():  # a checkpoint holds no evaluation in flight
                     tracker.log_eval(*row)
                 with self.ctx.timed("checkpoint"):
-                    self.save_checkpoint()
+                    self.save_checkpoint(metrics)
                 metrics["time/checkpoint"] = self.ctx.timings["checkpoint"]
             tracker.log(self.step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}")
