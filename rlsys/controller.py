@@ -527,7 +527,7 @@ class Controller:
         elif p.shared is not None:
             ray.get(worker.load_shared.remote(version, p.shared, version % SLOTS))
         else:
-            ray.get(worker.load_weights.remote(version, p.weights_ref))
+            self.ctx.reload_weights(policy, worker)
 
     def _readmit_by_broadcast(self, index: int) -> None:
         """Rollout worker `index`, restarted by Ray, comes back outside the broadcast group with the

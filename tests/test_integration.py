@@ -72,14 +72,16 @@ def test_ppo_and_rloo_run(ray_cluster, tmp_path, algorithm):
         assert "loss/value" in rows[0]
 
 
-def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cluster, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["auto", "object_store"])  # auto: shared memory on this one node
+def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cluster, tmp_path, weight_sync):
     import os
     import signal
 
     from rlsys.controller import Controller
     from rlsys.generation import GenerationRequest
 
-    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=faults"])
+    cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=faults",
+                                                  f"trainer.weight_sync={weight_sync}"])
     c = Controller(cfg, tmp_path / "faults", progress=False)
     c.start_actors(c.prepare_policy())
     c.sync_weights(1)  # the workers now hold version 1; a restarted one would come back at 0
