@@ -44,6 +44,25 @@ def rms_norm_args(norm) -> tuple:
     return (norm.weight.shape, norm.weight, eps)
 
 
+def norm_eps(norm, like: torch.Tensor) -> torch.Tensor:
+    """An HF RMSNorm module's epsilon as a 0-d tensor (`rms_scale`'s `addcmul` takes a tensor)."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
+    return torch.tensor(eps, dtype=like.dtype, device=like.device)
+
+
+def rms_scale(h: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """1 / sqrt(mean(h^2) + eps) per row of h ([N, hidden] -> [N, 1]): RMSNorm without its weight,
+    in three ops (F.rms_norm runs about nine on CPU)."""
+    norm = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+    return torch.addcmul(eps, norm, norm, value=1.0 / h.shape[-1]).rsqrt_()
+
+
+def residual_linear(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """h + x W^T (+ bias), the matmul and the residual add in one `addmm`."""
+    out = torch.addmm(h, x, weight_t)
+    return out if bias is None else out.add_(bias)
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token in its own row of a left-padded batch (pads get 0), as `generate` counts."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -94,12 +113,13 @@ class LeanDecoder:
         self.scale = self.head_dim ** -0.5
 
     def fused_weights(self) -> list[dict]:
-        """Per layer, read from the model's current weights: q/k/v as one matrix (q's rows
-        pre-multiplied by the attention scale, which commutes with the rotary rotation), gate/up
-        as another (one matmul each instead of three and two), and the o/down projections' and
-        the norms' weights (used with F.linear / F.rms_norm directly, no module call per step)."""
-        def cat(mods, scales):
-            weight = torch.cat([m.weight * s for m, s in zip(mods, scales)])
+        """Per layer, read from the model's current weights: q/k/v as one matrix and gate/up as
+        another (one matmul each instead of three and two), each with its RMSNorm's weight folded
+        into its columns (W (w * x) = (W diag(w)) x) and q's rows pre-multiplied by the attention
+        scale (which commutes with the rotary rotation); o and down transposed for `addmm`, which
+        adds the residual in the same call. No module is called per step."""
+        def cat(mods, scales, norm):
+            weight = torch.cat([m.weight * s for m, s in zip(mods, scales)]) * norm.weight
             if all(m.bias is None for m in mods):
                 return weight, None
             return weight, torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])) * s
@@ -107,11 +127,11 @@ class LeanDecoder:
 
         fused = []
         for layer in self.model.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            fused.append({"qkv": cat((a.q_proj, a.k_proj, a.v_proj), (self.scale, 1.0, 1.0)),
-                          "gate_up": cat((mlp.gate_proj, mlp.up_proj), (1.0, 1.0)),
-                          "o": (a.o_proj.weight, a.o_proj.bias), "down": (mlp.down_proj.weight, mlp.down_proj.bias),
-                          "norm1": rms_norm_args(layer.input_layernorm), "norm2": rms_norm_args(layer.post_attention_layernorm)})
+            a, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            fused.append({"qkv": cat((a.q_proj, a.k_proj, a.v_proj), (self.scale, 1.0, 1.0), norm1),
+                          "gate_up": cat((mlp.gate_proj, mlp.up_proj), (1.0, 1.0), norm2),
+                          "o": (a.o_proj.weight.t(), a.o_proj.bias), "down": (mlp.down_proj.weight.t(), mlp.down_proj.bias),
+                          "eps1": norm_eps(norm1, norm1.weight), "eps2": norm_eps(norm2, norm2.weight)})
         return fused
 
     def rotary_tables(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,38 +144,41 @@ class LeanDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
                 start: int, key_ok: torch.Tensor, fused: list[dict], rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Hidden states of `ids` ([B, T], at cache slots start..start+T) after the final norm.
-        `key_ok` [B, start+T] says which cache slots hold real tokens (not left padding)."""
+        """Hidden state of each row's last token of `ids` ([B, T], at cache slots start..start+T)
+        after the final norm: [B, hidden]. `key_ok` [B, start+T] says which cache slots hold real
+        tokens (not left padding). Rows of B x T tokens are kept as one 2-D matrix throughout."""
         core = self.model.model
-        h = F.embedding(ids, core.embed_tokens.weight)
         b, t = ids.shape
+        h = F.embedding(ids.reshape(-1), core.embed_tokens.weight)  # [B*T, hidden], this call's own tensor
         end = start + t
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        cos, sin = rotary[0][positions][:, :, None], rotary[1][positions][:, :, None]  # [B, T, 1, d]
-        if t == 1:  # one query per row: an additive mask over the keys, grouped heads without repeats
+        cos, sin = rotary[0][positions.reshape(-1)][:, None], rotary[1][positions.reshape(-1)][:, None]  # [B*T, 1, d]
+        if t == 1:  # one query per row: an additive mask over the keys, shared by the grouped heads of a kv head
             bias = torch.zeros(key_ok.shape, dtype=h.dtype, device=h.device).masked_fill_(~key_ok, float("-inf"))
-            bias = bias[:, None, None, :]
+            bias = bias[:, None, None].expand(b, nkv, 1, end).reshape(b * nkv, 1, end)
         else:
             mask = prefill_mask(key_ok)
         for (k_cache, v_cache), w in zip(cache, fused):
-            qkv = F.linear(F.rms_norm(h, *w["norm1"]), *w["qkv"]).view(b, t, nh + 2 * nkv, d)
-            qk = qkv[:, :, : nh + nkv]
-            qk = qk * cos + qk.roll(d // 2, -1) * sin
-            q = qk[:, :, :nh].transpose(1, 2)
-            k_cache[:, :, start:end] = qk[:, :, nh:].transpose(1, 2)
-            v_cache[:, :, start:end] = qkv[:, :, nh + nkv :].transpose(1, 2)
-            if t == 1:
-                groups = q.reshape(b, nkv, nh // nkv, d)
-                scores = torch.matmul(groups, k_cache[:, :, :end].transpose(-1, -2)).add_(bias)
-                out = torch.matmul(scores.softmax(-1), v_cache[:, :, :end]).view(b, 1, nh * d)
+            qkv = F.linear(h * rms_scale(h, w["eps1"]), *w["qkv"]).view(b * t, nh + 2 * nkv, d)
+            qk = qkv[:, : nh + nkv]
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
+            k_cache[:, :, start:end] = qk[:, nh:].view(b, t, nkv, d).transpose(1, 2)
+            v_cache[:, :, start:end] = qkv[:, nh + nkv :].view(b, t, nkv, d).transpose(1, 2)
+            if t == 1:  # [B*kv heads, grouped queries, d] against the kv head's cached keys (a view: the
+                # cache is the leading rows of contiguous buffers)
+                q = qk[:, :nh].reshape(b * nkv, nh // nkv, d)
+                keys, values = (c[:, :, :end].reshape(b * nkv, end, d) for c in (k_cache, v_cache))
+                scores = torch.baddbmm(bias, q, keys.transpose(1, 2))
+                out = torch.bmm(scores.softmax(-1), values).view(b, nh * d)
             else:
+                q = qk[:, :nh].view(b, t, nh, d).transpose(1, 2)
                 out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
                                                      scale=1.0, enable_gqa=nkv != nh)
-                out = out.transpose(1, 2).reshape(b, t, nh * d)
-            h = h.add_(F.linear(out, *w["o"]))  # h is this call's own tensor (the embedding's output)
-            gate, up = F.linear(F.rms_norm(h, *w["norm2"]), *w["gate_up"]).chunk(2, dim=-1)
-            h = h.add_(F.linear(F.silu(gate).mul_(up), *w["down"]))
-        return F.rms_norm(h, *rms_norm_args(core.norm))
+                out = out.transpose(1, 2).reshape(b * t, nh * d)
+            h = residual_linear(h, out, *w["o"])
+            gate, up = F.linear(h * rms_scale(h, w["eps2"]), *w["gate_up"]).chunk(2, dim=-1)
+            h = residual_linear(h, F.silu(gate).mul_(up), *w["down"])
+        return F.rms_norm(h.view(b, t, -1)[:, -1], *rms_norm_args(core.norm))
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, total: int) -> "DecodeStream":
         """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that
@@ -172,12 +195,12 @@ class LeanDecoder:
         cache = [(k[: len(input_ids)], v[: len(input_ids)]) for k, v in buffers]
         stream = DecodeStream(self, buffers, cache, self.fused_weights(), self.rotary_tables(total, weight))
         stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0, attention_mask.bool(),
-                                     stream.fused, stream.rotary)[:, -1]
+                                     stream.fused, stream.rotary)
         if repeated:
             stream.keep(row_of, filled=input_ids.shape[1])
         return stream
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
                  stop_ids: set[int] = frozenset(), pad_id: int = 0, reference: "LeanDecoder | None" = None,
@@ -259,4 +282,4 @@ class DecodeStream:
     def step(self, token: torch.Tensor, position: torch.Tensor, slot: int, key_ok: torch.Tensor) -> None:
         """Append one token per row at cache `slot`."""
         self.hidden = self.decoder.forward(token[:, None], position[:, None], self.cache, slot, key_ok[:, : slot + 1],
-                                           self.fused, self.rotary)[:, -1]
+                                           self.fused, self.rotary)
