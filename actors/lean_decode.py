@@ -15,7 +15,7 @@ match the model's forward to float rounding (tests/test_lean_decode.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +36,6 @@ def supports_lean_decode(model) -> bool:
     layer = model.model.layers[0]
     return all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) and \
         all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
-
-
-def rms_norm_args(norm) -> tuple:
-    """(normalized_shape, weight, eps) of an HF RMSNorm module, for `F.rms_norm`."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
-    return (norm.weight.shape, norm.weight, eps)
 
 
 def norm_eps(norm, like: torch.Tensor) -> torch.Tensor:
@@ -92,11 +86,14 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         drop = tail_mass <= 1 - top_p
         drop[:, -1] = False  # the most likely token always stays
         scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = scores.softmax(-1)
+    return draw_from(scores.softmax(-1))
+
+
+def draw_from(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [B, V]: one uniform per row through the inverse CDF."""
     cdf = probs.cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    choice = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    return choice.clamp(max=cdf.shape[-1] - 1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 class LeanDecoder:
@@ -143,21 +140,17 @@ class LeanDecoder:
         return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                start: int, key_ok: torch.Tensor, fused: list[dict], rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                start: int, mask: torch.Tensor, fused: list[dict], rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Hidden state of each row's last token of `ids` ([B, T], at cache slots start..start+T)
-        after the final norm: [B, hidden]. `key_ok` [B, start+T] says which cache slots hold real
-        tokens (not left padding). Rows of B x T tokens are kept as one 2-D matrix throughout."""
+        after the final norm: [B, hidden]. `mask`: for a prompt, `prefill_mask` ([B, 1, T, T],
+        start 0); for one token a row, the additive mask over the slots [B * kv heads, 1, start+1].
+        Rows of B x T tokens are kept as one 2-D matrix throughout."""
         core = self.model.model
         b, t = ids.shape
         h = F.embedding(ids.reshape(-1), core.embed_tokens.weight)  # [B*T, hidden], this call's own tensor
         end = start + t
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
         cos, sin = rotary[0][positions.reshape(-1)][:, None], rotary[1][positions.reshape(-1)][:, None]  # [B*T, 1, d]
-        if t == 1:  # one query per row: an additive mask over the keys, shared by the grouped heads of a kv head
-            bias = torch.zeros(key_ok.shape, dtype=h.dtype, device=h.device).masked_fill_(~key_ok, float("-inf"))
-            bias = bias[:, None, None].expand(b, nkv, 1, end).reshape(b * nkv, 1, end)
-        else:
-            mask = prefill_mask(key_ok)
         for (k_cache, v_cache), w in zip(cache, fused):
             qkv = F.linear(h * rms_scale(h, w["eps1"]), *w["qkv"]).view(b * t, nh + 2 * nkv, d)
             qk = qkv[:, : nh + nkv]
@@ -168,7 +161,7 @@ class LeanDecoder:
                 # cache is the leading rows of contiguous buffers)
                 q = qk[:, :nh].reshape(b * nkv, nh // nkv, d)
                 keys, values = (c[:, :, :end].reshape(b * nkv, end, d) for c in (k_cache, v_cache))
-                scores = torch.baddbmm(bias, q, keys.transpose(1, 2))
+                scores = torch.baddbmm(mask, q, keys.transpose(1, 2))
                 out = torch.bmm(scores.softmax(-1), values).view(b, nh * d)
             else:
                 q = qk[:, :nh].view(b, t, nh, d).transpose(1, 2)
@@ -178,7 +171,8 @@ class LeanDecoder:
             h = residual_linear(h, out, *w["o"])
             gate, up = F.linear(h * rms_scale(h, w["eps2"]), *w["gate_up"]).chunk(2, dim=-1)
             h = residual_linear(h, F.silu(gate).mul_(up), *w["down"])
-        return F.rms_norm(h.view(b, t, -1)[:, -1], *rms_norm_args(core.norm))
+        last = h.view(b, t, -1)[:, -1]
+        return last * rms_scale(last, norm_eps(core.norm, last)) * core.norm.weight
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, total: int) -> "DecodeStream":
         """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that
@@ -193,9 +187,14 @@ class LeanDecoder:
         shape = (rows, self.num_kv_heads, total, self.head_dim)
         buffers = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.model.layers]
         cache = [(k[: len(input_ids)], v[: len(input_ids)]) for k, v in buffers]
-        stream = DecodeStream(self, buffers, cache, self.fused_weights(), self.rotary_tables(total, weight))
-        stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0, attention_mask.bool(),
-                                     stream.fused, stream.rotary)
+        # the decode steps' additive mask: -inf at the prompts' pad slots, per kv head (a view per step, no copy)
+        pads = torch.zeros(len(input_ids), total, dtype=torch.bool, device=weight.device)
+        pads[:, : attention_mask.shape[1]] = ~attention_mask.bool()
+        key_bias = weight.new_zeros(len(input_ids), total).masked_fill_(pads, float("-inf"))
+        stream = DecodeStream(self, buffers, cache, self.fused_weights(), self.rotary_tables(total, weight),
+                              key_bias[:, None].expand(-1, self.num_kv_heads, -1).contiguous())
+        stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0,
+                                     prefill_mask(attention_mask.bool()), stream.fused, stream.rotary)
         if repeated:
             stream.keep(row_of, filled=input_ids.shape[1])
         return stream
@@ -215,49 +214,81 @@ class LeanDecoder:
         streams = [self.start(input_ids, attention_mask, total)]
         if interpolation is not None:
             streams.append(reference.start(input_ids, attention_mask, total))
-        key_ok = torch.zeros(b, total, dtype=torch.bool, device=input_ids.device)
-        key_ok[:, :p] = attention_mask.bool()
         next_position = positions_from_mask(attention_mask)[:, -1] + 1
         tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=input_ids.device)
         logprobs = torch.zeros(b, max_new_tokens, dtype=torch.float32, device=input_ids.device)
         live = torch.arange(b, device=input_ids.device)  # batch rows still decoding, in cache order
-        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=input_ids.device)
+        stops = sorted(stop_ids)
+        stops_t = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
         scale = 1.0 if greedy else temperature
+        # plain sampling draws from the recorded softmax itself; greedy, top-k/top-p and PILAF's mix warp first
+        warped = greedy or 0 < top_k < self.model.config.vocab_size or top_p < 1.0 or interpolation is not None
+        recorded = Recorded(tokens, logprobs, live)
         for step in range(max_new_tokens):
             logits = streams[0].logits()
-            scores = logits if interpolation is None else interpolated_logits(
-                logits, streams[1].logits(), interpolation.beta, interpolation.mode)
-            token = sample_next(scores, temperature, top_k, top_p, greedy)
-            logprobs[live, step] = torch.log_softmax(logits / scale, -1).gather(-1, token[:, None]).squeeze(-1)
-            tokens[live, step] = token
+            step_logprobs = torch.log_softmax(logits if scale == 1.0 else logits / scale, -1)
+            if warped:
+                scores = logits if interpolation is None else interpolated_logits(
+                    logits, streams[1].logits(), interpolation.beta, interpolation.mode)
+                token = sample_next(scores, temperature, top_k, top_p, greedy)
+            else:
+                token = draw_from(step_logprobs.exp())
+            recorded.add(token, step_logprobs.gather(-1, token[:, None]).squeeze(-1))
             if step + 1 == max_new_tokens:
                 break
-            done = torch.isin(token, stops)
-            if bool(done.any()):  # finished rows leave the batch
+            done = token == stops[0] if len(stops) == 1 else torch.isin(token, stops_t)
+            if stops and bool(done.any()):  # finished rows leave the batch
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break
-                live, token, next_position, key_ok = live[keep], token[keep], next_position[keep], key_ok[keep]
+                recorded.keep(keep)
+                token, next_position = token[keep], next_position[keep]
                 for stream in streams:
                     stream.keep(keep, filled=p + step)
-            slot = p + step
-            key_ok[:, slot] = True
             for stream in streams:
-                stream.step(token, next_position, slot, key_ok)
+                stream.step(token, next_position, p + step)
             next_position = next_position + 1
+        recorded.flush()
         return tokens, logprobs
 
 
 @dataclass
+class Recorded:
+    """Each step's tokens and logprobs of the live rows, written into the [B, N] outputs once
+    per run of steps with the same live rows (one stack and one indexed write, not two per step)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    live: torch.Tensor  # output rows still decoding, in cache order
+    first_step: int = 0
+    pending: list = field(default_factory=list)
+
+    def add(self, token: torch.Tensor, logprob: torch.Tensor) -> None:
+        self.pending.append((token, logprob))
+
+    def flush(self) -> None:
+        if self.pending:
+            steps = slice(self.first_step, self.first_step + len(self.pending))
+            self.tokens[self.live, steps] = torch.stack([t for t, _ in self.pending], 1)
+            self.logprobs[self.live, steps] = torch.stack([lp for _, lp in self.pending], 1)
+            self.first_step, self.pending = steps.stop, []
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.flush()
+        self.live = self.live[rows]
+
+
+@dataclass
 class DecodeStream:
-    """One model's decode state over a batch: its KV cache (the leading rows of its buffers)
-    and the hidden state of the last token."""
+    """One model's decode state over a batch: its KV cache (the leading rows of its buffers),
+    the additive mask over its cache slots per kv head, and the hidden state of the last token."""
 
     decoder: LeanDecoder
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
     cache: list[tuple[torch.Tensor, torch.Tensor]]
     fused: list[dict]
     rotary: tuple[torch.Tensor, torch.Tensor]
+    key_bias: torch.Tensor  # [B, kv heads, slots]: 0, or -inf at a pad
     hidden: torch.Tensor | None = None
 
     def logits(self) -> torch.Tensor:
@@ -276,10 +307,13 @@ class DecodeStream:
             v_buf[:n, :, :filled] = v[:, :, :filled].index_select(0, rows)
             cache.append((k_buf[:n], v_buf[:n]))
         self.cache = cache
+        self.key_bias = self.key_bias.index_select(0, rows)
         if self.hidden is not None:
             self.hidden = self.hidden.index_select(0, rows)
 
-    def step(self, token: torch.Tensor, position: torch.Tensor, slot: int, key_ok: torch.Tensor) -> None:
-        """Append one token per row at cache `slot`."""
-        self.hidden = self.decoder.forward(token[:, None], position[:, None], self.cache, slot, key_ok[:, : slot + 1],
+    def step(self, token: torch.Tensor, position: torch.Tensor, slot: int) -> None:
+        """Append one token per row at cache `slot` (every row's slot holds a real token)."""
+        b, nkv, _ = self.key_bias.shape
+        bias = self.key_bias[:, :, : slot + 1].reshape(b * nkv, 1, slot + 1)
+        self.hidden = self.decoder.forward(token[:, None], position[:, None], self.cache, slot, bias,
                                            self.fused, self.rotary)
