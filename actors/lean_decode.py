@@ -108,6 +108,21 @@ class LeanDecoder:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
+        self._fused, self._fused_of = None, None
+
+    def weights_changed(self) -> None:
+        """Forget the fused weights: the next generate fuses the model's weights again. Needed
+        where weights change without new tensors or in-place ops in this process (a shared-memory
+        slot rewritten by the learner); `current_fused` notices the others itself."""
+        self._fused = None
+
+    def current_fused(self) -> list[dict]:
+        """`fused_weights`, kept between calls while the model's parameters are the same tensors,
+        unchanged in place (fusing costs a copy of every layer's weights, ~10% of a short rollout)."""
+        fingerprint = [(p.data_ptr(), p._version) for p in self.model.parameters()]
+        if self._fused is None or fingerprint != self._fused_of:
+            self._fused, self._fused_of = self.fused_weights(), fingerprint
+        return self._fused
 
     def fused_weights(self) -> list[dict]:
         """Per layer, read from the model's current weights: q/k/v as one matrix and gate/up as
@@ -191,7 +206,7 @@ class LeanDecoder:
         pads = torch.zeros(len(input_ids), total, dtype=torch.bool, device=weight.device)
         pads[:, : attention_mask.shape[1]] = ~attention_mask.bool()
         key_bias = weight.new_zeros(len(input_ids), total).masked_fill_(pads, float("-inf"))
-        stream = DecodeStream(self, buffers, cache, self.fused_weights(), self.rotary_tables(total, weight),
+        stream = DecodeStream(self, buffers, cache, self.current_fused(), self.rotary_tables(total, weight),
                               key_bias[:, None].expand(-1, self.num_kv_heads, -1).contiguous())
         stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0,
                                      prefill_mask(attention_mask.bool()), stream.fused, stream.rotary)

@@ -31,6 +31,10 @@ class RolloutBackend(Protocol):
 
 def expand_requests(requests: Sequence[GenerationRequest]) -> list[tuple[int, list[int], SamplingParams]]:
     """One entry per sampled sequence: (request index, prompt ids, params), n per request."""
+    empty = [i for i, r in enumerate(requests) if len(r.prompt_ids) == 0]
+    if empty:
+        raise ValueError(f"generation request {empty[0]} has an empty prompt (no token to condition on; "
+                         f"{len(empty)} of {len(requests)} requests are empty)")
     return [(i, list(r.prompt_ids), r.params) for i, r in enumerate(requests) for _ in range(r.params.n)]
 
 
@@ -127,6 +131,8 @@ class HFBackend:
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """New policy weights; a quantised policy re-rounds them on its saved bit maps (in place,
         so it copies them); otherwise the model reads the given arrays without a copy."""
+        if self.lean is not None:
+            self.lean.weights_changed()
         if self.requantize is None:
             adopt_numpy_state(self.model, weights)
             return

@@ -128,6 +128,30 @@ def test_decoding_uses_the_weights_loaded_last(one_torch_thread):
     assert not np.allclose(lps(after), lps(before), atol=1e-2)
 
 
+def test_fused_weights_follow_arrays_rewritten_in_place_and_in_place_edits(one_torch_thread):
+    """The fused projections are kept between generate calls; they follow weights rewritten in
+    the same arrays (a shared-memory slot the learner overwrote, loaded again: no new tensor, no
+    torch op here) and in-place edits of a parameter."""
+    model, other = qwen2(), build_tiny_model(SPEC, seed=9).eval()
+    other.config.eos_token_id, other.config.pad_token_id = 1, 0
+    backend = HFBackend("unused", model=model)
+    reqs = [GenerationRequest(p, SamplingParams(max_new_tokens=8, temperature=0.0)) for p in PROMPTS]
+    slot = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    backend.load_weights(slot)
+    lps = lambda gens: np.concatenate([g.logprobs for g in gens])  # noqa: E731
+    before = lps(backend.generate(reqs))
+    for k, v in other.state_dict().items():  # the learner rewrites the slot behind the model's back
+        slot[k][...] = v.numpy()
+    backend.load_weights(slot)
+    expected = lps(HFBackend("unused", model=other, decode="generate").generate(reqs))
+    assert np.allclose(lps(backend.generate(reqs)), expected, atol=1e-5)
+    assert not np.allclose(before, expected, atol=1e-2)
+    with torch.no_grad():  # an in-place edit, no load_weights
+        for a, b in zip(model.parameters(), qwen2().parameters()):
+            a.copy_(b)
+    assert np.allclose(lps(backend.generate(reqs)), before, atol=1e-5)
+
+
 def test_other_architectures_fall_back_to_generate(one_torch_thread):
     cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)

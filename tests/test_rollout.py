@@ -48,3 +48,14 @@ def test_loaded_weights_are_read_in_place_not_copied():
     bad = dict(weights, **{"model.norm.weight": np.zeros(3, np.float32)})
     with pytest.raises(ValueError, match="model.norm.weight"):
         backend.load_weights(bad)
+
+
+def test_an_empty_prompt_is_named_before_any_generation():
+    import pytest
+
+    spec = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    backend = HFBackend("unused", model=build_tiny_model(spec, None, seed=0).eval())
+    reqs = [GenerationRequest([5, 6], SamplingParams(max_new_tokens=2)), GenerationRequest([], SamplingParams(max_new_tokens=2))]
+    with pytest.raises(ValueError, match="generation request 1 has an empty prompt"):
+        backend.generate(reqs)
