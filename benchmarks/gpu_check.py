@@ -131,7 +131,25 @@ class Check:
         self.add(f"hf backend tokens/s, {self.device} batch {batch} vs cpu batch {cpu_batch} (<= {new} new)",
                  f"{gpu_rate:.0f}", f"{cpu_rate:.0f}", f"{gpu_rate / cpu_rate:.1f}x")
         self.hf = gpu
+        self.lean_vs_generate(gpu, batch, new)
         return gpu
+
+    def lean_vs_generate(self, lean, batch: int, new: int):
+        """The backend's lean decode loop (actors/lean_decode.py) against `model.generate` on the same
+        device: greedy tokens must agree, then sampled tokens/s side by side."""
+        from actors.rollout import HFBackend
+
+        plain = HFBackend(self.policy_dir, batch_size=batch, device=self.device, decode="generate")
+        greedy = self.requests(min(batch, 64), min(new, 32), temperature=0.0)
+        a, b = lean.generate(greedy), plain.generate(greedy)
+        same = sum(x.response_ids == y.response_ids for x, y in zip(a, b))
+        worst = max(abs(p - q) for x, y in zip(a, b) if x.response_ids == y.response_ids for p, q in zip(x.logprobs, y.logprobs))
+        assert same >= 0.9 * len(a), f"lean decode's greedy tokens differ from generate's in {len(a) - same} of {len(a)} rows"
+        reqs = self.requests(batch, new)
+        lean_rate, plain_rate = tokens_per_s(lean, reqs, self.args.reps), tokens_per_s(plain, reqs, self.args.reps)
+        self.add(f"lean decode vs model.generate tokens/s on {self.device} (batch {batch}, <= {new} new; greedy rows "
+                 f"identical {same}/{len(a)}, max logprob gap {worst:.1e})", f"{lean_rate:.0f}", f"{plain_rate:.0f}",
+                 f"{lean_rate / plain_rate:.2f}x")
 
     # ---- 2. learner on CUDA ----------------------------------------------------------------
 
@@ -178,6 +196,29 @@ class Check:
         t_load = timed(lambda: self.hf.load_weights(state), self.args.reps)
         self.add(f"handoff ms ({mb:.0f} MB fp32): learner.weights() + hf load_weights on {self.device}",
                  f"{(t_get + t_load) * 1e3:.1f}", f"weights() {t_get * 1e3:.1f}", f"{mb / (t_get + t_load):.0f} MB/s")
+
+    def shared_memory(self):
+        """trainer.weight_sync=shared_memory minus Ray: the learner writes a slot of its /dev/shm file
+        (bf16 -> fp32 on the way), the backend on the device loads the slot's arrays; the
+        backend's weights must then equal the learner's."""
+        import numpy as np
+
+        from actors.shared_weights import SharedWeights
+
+        layout = self.learner_.share_weights("gpu-check")
+        assert not isinstance(layout, str), layout
+        reader = SharedWeights(layout)
+        t_write = timed(lambda: self.learner_.write_shared(0), self.args.reps)
+        t_load = timed(lambda: (self.hf.load_weights(reader.arrays(0)), _sync()), self.args.reps)
+        expected = self.learner_.weights()
+        got = {k: v.detach().float().cpu().numpy() for k, v in self.hf.model.state_dict().items()}
+        assert all(np.array_equal(got[k], expected[k].astype(np.float32)) for k in expected if k in got), \
+            "the backend's weights differ from the learner's after the shared-memory load"
+        self.learner_.close_shared()
+        mb = layout.file_bytes / 2 / 2**20
+        self.add(f"shared-memory sync ms ({mb:.0f} MB fp32 slot): learner {self.learner_.device} write_shared + hf "
+                 f"load_weights on {self.device}, weights equal", f"{(t_write + t_load) * 1e3:.1f}",
+                 f"write {t_write * 1e3:.1f}", f"{mb / (t_write + t_load):.0f} MB/s")
 
     def broadcast(self, backend: str, receiver_device: str):
         from rlsys.cluster import free_port
@@ -257,6 +298,7 @@ def main(argv: list[str]) -> int:
     hf = check.hf_backend(batch, new)
     check.learner(hf.generate(check.requests(min(batch, 64), new)))
     check.handoff()
+    check.shared_memory()
     check.broadcast("gloo", "cpu")
     if cuda and torch.cuda.device_count() >= 2:
         check.broadcast("nccl", "cuda:1")
