@@ -9,6 +9,7 @@ trainable (the experience's `loss_mask`), 0 on prompt, environment and padding t
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
@@ -80,20 +81,36 @@ class TrainBatch:
         return int(self.response_mask.sum())
 
 
+def rows_into(shape: tuple[int, int], starts: np.ndarray, values: list, dtype, fill=0, what: str = "values") -> np.ndarray:
+    """A [B, W] array holding row i's list `values[i]` (None: nothing) from column `starts[i]` on,
+    `fill` elsewhere: one boolean-mask write of all rows' values (no per-row tensor)."""
+    out = np.full(shape, fill, dtype)
+    lengths = np.fromiter((0 if v is None else len(v) for v in values), np.int64, len(values))
+    ends = starts + lengths
+    if len(values) and int(ends.max(initial=0)) > shape[1]:
+        i = int(np.argmax(ends > shape[1]))
+        raise ValueError(f"row {i}'s {what} ({lengths[i]}) run past its sequence ({shape[1] - starts[i]} slots)")
+    cols = np.arange(shape[1])
+    where = (cols >= starts[:, None]) & (cols < ends[:, None])
+    out[where] = np.fromiter(itertools.chain.from_iterable(v for v in values if v is not None), dtype, int(lengths.sum()))
+    return out
+
+
 def collate_ids(prompts: list[list[int]], responses: list[list[int]], loss_masks=None, pad_id: int = 0) -> TrainBatch:
     """Token id lists -> input_ids, attention_mask and response_mask (no per-token values)."""
-    loss_masks = loss_masks or [None] * len(prompts)
     B = len(prompts)
-    L = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
-    response_mask = torch.zeros((B, L - 1), dtype=torch.float32)
-    for i, (p, r, m) in enumerate(zip(prompts, responses, loss_masks)):
-        n = len(p) + len(r)
-        input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        response_mask[i, len(p) - 1 : n - 1] = torch.ones(len(r)) if m is None else torch.tensor(m, dtype=torch.float32)
-    return TrainBatch(input_ids, attention_mask, response_mask)
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    lengths = np.fromiter(map(len, seqs), np.int64, B)
+    L = int(lengths.max())
+    targets = np.fromiter(map(len, prompts), np.int64, B) - 1  # response token j is the target at prompt length - 1 + j
+    masks = [[1.0] * len(r) if m is None else m for r, m in zip(responses, loss_masks or [None] * B)]
+    for i, (m, r) in enumerate(zip(masks, responses)):
+        if len(m) != len(r):
+            raise ValueError(f"experience row {i}: loss_mask has {len(m)} values for {len(r)} response tokens")
+    input_ids = rows_into((B, L), np.zeros(B, np.int64), seqs, np.int64, fill=pad_id, what="tokens")
+    attention_mask = (np.arange(L)[None] < lengths[:, None]).astype(np.int64)
+    response_mask = rows_into((B, L - 1), targets, masks, np.float32, what="loss mask")
+    return TrainBatch(torch.from_numpy(input_ids), torch.from_numpy(attention_mask), torch.from_numpy(response_mask))
 
 
 def collate(table: pa.Table, pad_id: int = 0) -> TrainBatch:
@@ -103,6 +120,7 @@ def collate(table: pa.Table, pad_id: int = 0) -> TrainBatch:
     loss_masks = table.column("loss_mask").to_pylist() if "loss_mask" in table.schema.names else None
     batch = collate_ids(prompts, responses, loss_masks, pad_id)
     B, L = batch.input_ids.shape
+    targets = np.fromiter(map(len, prompts), np.int64, B) - 1
     per_token = {}
     for column, name in TOKEN_COLUMNS.items():
         if column not in table.schema.names:
@@ -110,11 +128,10 @@ def collate(table: pa.Table, pad_id: int = 0) -> TrainBatch:
         values = table.column(column).to_pylist()
         if all(v is None for v in values):
             continue
-        t = torch.zeros((B, L - 1), dtype=torch.float32)
-        for i, (p, v) in enumerate(zip(prompts, values)):
-            if v is not None:
-                t[i, len(p) - 1 : len(p) - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
-        per_token[name] = t
+        for i, (v, r) in enumerate(zip(values, responses)):
+            if v is not None and len(v) > len(r):
+                raise ValueError(f"experience row {i}: '{column}' has {len(v)} values for {len(r)} response tokens")
+        per_token[name] = torch.from_numpy(rows_into((B, L - 1), targets, values, np.float32, what=f"'{column}'"))
     if "reward" in table.schema.names:
         batch.rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
     return replace(batch, **per_token)

@@ -7,7 +7,7 @@ from envs.arithmetic import ArithmeticTask, answer_text, generate_problems
 from envs.datasets import DatasetError, read_rows, write_rows
 from rlsys.batch import collate
 from rlsys.buffer import ExperienceBuffer
-from rlsys.experience import EXPERIENCE_SCHEMA, make_experience
+from rlsys.experience import EXPERIENCE_SCHEMA, make_experience, new_uid
 
 
 def rows(n, version=0, offset=0):
@@ -99,3 +99,12 @@ def test_dataset_errors_name_file_and_row(tmp_path):
     with pytest.raises(DatasetError, match="unsupported format '.csv'"):
         read_rows(csv)
     assert read_rows(write_rows([{"a": 1}], tmp_path / "x.parquet")) == [{"a": 1}]
+
+
+def test_a_per_token_column_longer_than_its_response_is_named():
+    rows = [dict(uid=new_uid(), group="g", prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.1, -0.2], reward=1.0,
+                 policy_version=0),
+            dict(uid=new_uid(), group="g", prompt_ids=[1], response_ids=[5], logprobs=[-0.1, -0.2, -0.3], reward=0.0,
+                 policy_version=0)]
+    with pytest.raises(ValueError, match="experience row 1: 'logprobs' has 3 values for 1 response tokens"):
+        collate(make_experience(rows))
