@@ -9,9 +9,11 @@ only the filled prefix, a token is drawn by one uniform per row (inverse CDF), r
 have stopped leave the batch, so the cost follows the live rows, and a prompt sampled n times
 (a GRPO group) is prefilled once.
 
-The model's own modules do the arithmetic (embedding, projections, norms, rotary, MLP), so
-weights loaded into the model (weight sync, re-quantisation) are what this loop uses; logits
-match the model's forward to float rounding (tests/test_lean_decode.py).
+The arithmetic reads the model's own weights, fused per layer (q/k/v and gate/up each one
+matmul, the RMSNorm weights folded into their columns; kept until a weight changes) and its
+rotary module, so weights loaded into the model (weight sync, re-quantisation) are what this
+loop uses; logits match the model's forward to float rounding (tests/test_lean_decode.py).
+The loop runs under `torch.inference_mode` (nothing it makes is ever differentiated).
 """
 from __future__ import annotations
 
