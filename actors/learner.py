@@ -250,13 +250,14 @@ class Learner:
         """Rank 0 creates the policy's shared-memory weights file (two slots of `weights()`'s
         arrays) and returns its SharedLayout, or a one-line reason it cannot: /dev/shm lacks
         `required_free` x the file's size. Collective under ZeRO-3 (returns None on other ranks)."""
-        from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
+        from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path, tied_names
 
         with self._full_policy() as policy_module:
             if self.rank != 0:
                 return None
             remove_stale()
-            layout = SharedLayout.of(shm_path(policy), state_dict_numpy(policy_module, copy=False))
+            layout = SharedLayout.of(shm_path(policy), state_dict_numpy(policy_module, copy=False),
+                                     tied=tied_names(policy_module.state_dict()))
             free = shm_free_bytes()
             if free < required_free * layout.file_bytes:
                 return (f"/dev/shm has {free / 2**20:.1f} MiB free, the weights need {layout.file_bytes / 2**20:.1f} MiB "

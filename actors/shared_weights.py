@@ -31,19 +31,40 @@ ALIGN = 64
 _NAME = re.compile(r"^rlsys-weights-(\d+)-")
 
 
+def tied_names(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the earlier name whose tensor it is (tied weights: a model's lm_head and its
+    embedding), judged by storage, offset, shape and strides."""
+    first: dict[tuple, str] = {}
+    tied = {}
+    for name, t in tensors.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
 @dataclass(frozen=True)
 class SharedLayout:
-    """Where each tensor of one slot lies in the file: (name, shape, numpy dtype, byte offset)."""
+    """Where each tensor of one slot lies in the file: (name, shape, numpy dtype, byte offset).
+    A tied name shares its tensor's offset (stored and written once)."""
 
     path: str
     slot_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
 
     @classmethod
-    def of(cls, path: str | Path, arrays: dict[str, np.ndarray]) -> "SharedLayout":
-        entries, offset = [], 0
+    def of(cls, path: str | Path, arrays: dict[str, np.ndarray], tied: dict[str, str] | None = None) -> "SharedLayout":
+        """`tied`: name -> an earlier name holding the same tensor (`tied_names`)."""
+        tied = tied or {}
+        entries, placed, offset = [], {}, 0
         for name, a in arrays.items():
+            if name in tied and tied[name] in placed:
+                entries.append((name, tuple(a.shape), a.dtype.str, placed[tied[name]]))
+                continue
             entries.append((name, tuple(a.shape), a.dtype.str, offset))
+            placed[name] = offset
             offset += -(-a.nbytes // ALIGN) * ALIGN
         return cls(str(path), max(offset, ALIGN), tuple(entries))
 
@@ -124,9 +145,12 @@ class SharedWeights:
         missing = [name for name in views if name not in tensors]
         if missing:
             raise KeyError(f"shared weights: no tensor for {missing[:3]} ({len(missing)} missing)")
+        written = set()
         with torch.no_grad():
-            for name, view in views.items():
-                torch.from_numpy(view).copy_(tensors[name].detach().reshape(view.shape))
+            for name, _, _, offset in self.layout.entries:
+                if offset not in written:  # a tied name's tensor is already there
+                    torch.from_numpy(views[name]).copy_(tensors[name].detach().reshape(views[name].shape))
+                    written.add(offset)
 
     def close(self, unlink: bool = False) -> None:
         self.buffer, self._views = None, {}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.shared_weights import ALIGN, SLOTS, SharedLayout, SharedWeights, remove_stale
+from actors.shared_weights import ALIGN, SLOTS, SharedLayout, SharedWeights, remove_stale, tied_names
 
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -34,7 +34,7 @@ def _layout(tmp_path, model):
 def test_slots_hold_aligned_disjoint_copies_of_the_state_dict(tmp_path):
     model = _tiny_model(0)
     layout = _layout(tmp_path, model)
-    assert all(offset % ALIGN == 0 for *_, offset in layout.entries)
+    assert all(offset % ALIGN == 0 for *_, offset in layout.entries) and len({e[3] for e in layout.entries}) == len(layout.entries)
     ends = [offset + int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt, offset in layout.entries]
     assert all(end <= nxt for end, (*_, nxt) in zip(ends, layout.entries[1:])) and ends[-1] <= layout.slot_bytes
     writer = SharedWeights(layout, create=True)
@@ -65,6 +65,35 @@ def test_a_worker_adopting_a_slot_serves_the_writers_weights_without_a_copy(tmp_
         assert torch.equal(worker(ids).logits, learner(ids).logits)
         shared.arrays(1)["model.norm.weight"][:] = 0.0
         assert not torch.equal(worker(ids).logits, learner(ids).logits)
+
+
+def test_tied_weights_are_stored_once_and_stay_tied_in_the_worker(tmp_path):
+    """A model whose lm_head is its embedding: the slot holds that matrix once (the file is
+    smaller by it), both names read the same bytes, and the adopting worker's lm_head and
+    embedding stay one tensor that computes what the learner's does."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from actors.modeling import adopt_numpy_state, state_dict_numpy
+
+    def tied(seed):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+
+    learner, worker = tied(0), tied(1)
+    state = learner.state_dict()
+    assert tied_names(state) == {"lm_head.weight": "model.embed_tokens.weight"}
+    layout = SharedLayout.of(tmp_path / "rlsys-weights-tied", state_dict_numpy(learner, copy=False), tied=tied_names(state))
+    untied = _layout(tmp_path, learner)
+    assert untied.slot_bytes - layout.slot_bytes == 48 * 32 * 4
+    SharedWeights(layout, create=True).write(0, state)
+    got = SharedWeights(layout).arrays(0)
+    assert np.shares_memory(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    adopt_numpy_state(worker, got)
+    assert worker.lm_head.weight is worker.model.embed_tokens.weight
+    ids = torch.tensor([[3, 5, 7, 11]])
+    with torch.no_grad():
+        assert torch.equal(worker(ids).logits, learner(ids).logits)
 
 
 def test_bf16_weights_are_written_as_the_layouts_float32(tmp_path):
