@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actors.modeling import PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy
+from actors.modeling import (PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy,
+                             tied_names)
 
 
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
@@ -250,7 +251,7 @@ class Learner:
         """Rank 0 creates the policy's shared-memory weights file (two slots of `weights()`'s
         arrays) and returns its SharedLayout, or a one-line reason it cannot: /dev/shm lacks
         `required_free` x the file's size. Collective under ZeRO-3 (returns None on other ranks)."""
-        from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path, tied_names
+        from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
 
         with self._full_policy() as policy_module:
             if self.rank != 0:

@@ -162,17 +162,39 @@ class PolicyOnly(nn.Module):
         return (*response_logprobs(self.policy, input_ids, attention_mask, response_mask, temperature), None)
 
 
+def tied_names(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the earlier name whose tensor it is (tied weights: a model's lm_head and its
+    embedding), judged by storage, offset, shape and strides."""
+    first: dict[tuple, str] = {}
+    tied = {}
+    for name, t in tensors.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
+
 def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarray]:
     """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled).
     numpy has no bfloat16: bf16 weights (a bf16 CUDA learner) come out as float32. With
     `copy=False`, CPU float32 weights come out as views of the live parameters (valid until
-    they change; a Ray actor method's return value is serialized before its next call)."""
+    they change; a Ray actor method's return value is serialized before its next call).
+    Tied names (an lm_head that is the embedding) get the same array object, which pickle, and
+    so Ray, sends once."""
     def to_numpy(v: torch.Tensor) -> np.ndarray:
         v = v.detach().cpu()
         out = (v.float() if v.dtype == torch.bfloat16 else v).numpy()
         return out.copy() if copy else out
 
-    return {k: to_numpy(v) for k, v in module.state_dict().items()}
+    state = module.state_dict()
+    tied = tied_names(state)
+    out: dict[str, np.ndarray] = {}
+    for k, v in state.items():
+        out[k] = out[tied[k]] if k in tied else to_numpy(v)
+    return out
 
 
 def _matched(targets: dict[str, torch.Tensor], weights: dict) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,20 +31,6 @@ ALIGN = 64
 _NAME = re.compile(r"^rlsys-weights-(\d+)-")
 
 
-def tied_names(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    """name -> the earlier name whose tensor it is (tied weights: a model's lm_head and its
-    embedding), judged by storage, offset, shape and strides."""
-    first: dict[tuple, str] = {}
-    tied = {}
-    for name, t in tensors.items():
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
-    return tied
-
-
 @dataclass(frozen=True)
 class SharedLayout:
     """Where each tensor of one slot lies in the file: (name, shape, numpy dtype, byte offset).
@@ -56,7 +42,7 @@ class SharedLayout:
 
     @classmethod
     def of(cls, path: str | Path, arrays: dict[str, np.ndarray], tied: dict[str, str] | None = None) -> "SharedLayout":
-        """`tied`: name -> an earlier name holding the same tensor (`tied_names`)."""
+        """`tied`: name -> an earlier name holding the same tensor (actors.modeling.tied_names)."""
         tied = tied or {}
         entries, placed, offset = [], {}, 0
         for name, a in arrays.items():

@@ -1,5 +1,6 @@
 """Weight sync through a /dev/shm file on learner rank 0's node (actors/shared_weights.py)."""
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.shared_weights import ALIGN, SLOTS, SharedLayout, SharedWeights, remove_stale, tied_names
+from actors.modeling import tied_names
+from actors.shared_weights import ALIGN, SLOTS, SharedLayout, SharedWeights, remove_stale
 
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -83,6 +85,11 @@ def test_tied_weights_are_stored_once_and_stay_tied_in_the_worker(tmp_path):
     learner, worker = tied(0), tied(1)
     state = learner.state_dict()
     assert tied_names(state) == {"lm_head.weight": "model.embed_tokens.weight"}
+    arrays = state_dict_numpy(learner)  # the object-store sync's dict: one array object, so pickle sends it once
+    assert arrays["lm_head.weight"] is arrays["model.embed_tokens.weight"]
+    buffers = []
+    pickle.dumps(arrays, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == len(arrays) - 1
     layout = SharedLayout.of(tmp_path / "rlsys-weights-tied", state_dict_numpy(learner, copy=False), tied=tied_names(state))
     untied = _layout(tmp_path, learner)
     assert untied.slot_bytes - layout.slot_bytes == 48 * 32 * 4
