@@ -139,6 +139,7 @@ class LeanDecoder:
             return weight, torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])) * s
                                       for m, s in zip(mods, scales)])
 
+        self.final_eps = norm_eps(self.model.model.norm, self.model.model.norm.weight)
         fused = []
         for layer in self.model.model.layers:
             a, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
@@ -148,16 +149,16 @@ class LeanDecoder:
                           "eps1": norm_eps(norm1, norm1.weight), "eps2": norm_eps(norm2, norm2.weight)})
         return fused
 
-    def rotary_tables(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin for positions 0..length-1 ([length, head_dim]), from the model's
-        rotary module: rotate_half(x) * sin == x.roll(d/2) * signed_sin."""
+    def rotary_tables(self, length: int, like: torch.Tensor) -> torch.Tensor:
+        """[length, 2, head_dim]: cos and sign-folded sin for positions 0..length-1 (one gather a
+        step reads both), from the model's rotary module: rotate_half(x) * sin == x.roll(d/2) * signed_sin."""
         positions = torch.arange(length, device=like.device)[None]
         cos, sin = self.model.model.rotary_emb(like, positions)
         half = self.head_dim // 2
-        return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)], dim=1)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                start: int, mask: torch.Tensor, fused: list[dict], rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                start: int, mask: torch.Tensor, fused: list[dict], rotary: torch.Tensor) -> torch.Tensor:
         """Hidden state of each row's last token of `ids` ([B, T], at cache slots start..start+T)
         after the final norm: [B, hidden]. `mask`: for a prompt, `prefill_mask` ([B, 1, T, T],
         start 0); for one token a row, the additive mask over the slots [B * kv heads, 1, start+1].
@@ -167,7 +168,8 @@ class LeanDecoder:
         h = F.embedding(ids.reshape(-1), core.embed_tokens.weight)  # [B*T, hidden], this call's own tensor
         end = start + t
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        cos, sin = rotary[0][positions.reshape(-1)][:, None], rotary[1][positions.reshape(-1)][:, None]  # [B*T, 1, d]
+        cos_sin = rotary[positions.reshape(-1)]
+        cos, sin = cos_sin[:, :1], cos_sin[:, 1:]  # [B*T, 1, d] each
         for (k_cache, v_cache), w in zip(cache, fused):
             qkv = F.linear(h * rms_scale(h, w["eps1"]), *w["qkv"]).view(b * t, nh + 2 * nkv, d)
             qk = qkv[:, : nh + nkv]
@@ -189,7 +191,7 @@ class LeanDecoder:
             gate, up = F.linear(h * rms_scale(h, w["eps2"]), *w["gate_up"]).chunk(2, dim=-1)
             h = residual_linear(h, F.silu(gate).mul_(up), *w["down"])
         last = h.view(b, t, -1)[:, -1]
-        return last * rms_scale(last, norm_eps(core.norm, last)) * core.norm.weight
+        return last * rms_scale(last, self.final_eps) * core.norm.weight
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, total: int) -> "DecodeStream":
         """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that
@@ -264,7 +266,7 @@ class LeanDecoder:
                     stream.keep(keep, filled=p + step)
             for stream in streams:
                 stream.step(token, next_position, p + step)
-            next_position = next_position + 1
+            next_position.add_(1)
         recorded.flush()
         return tokens, logprobs
 
@@ -304,7 +306,7 @@ class DecodeStream:
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
     cache: list[tuple[torch.Tensor, torch.Tensor]]
     fused: list[dict]
-    rotary: tuple[torch.Tensor, torch.Tensor]
+    rotary: torch.Tensor  # [slots, 2, head_dim]: cos, signed sin
     key_bias: torch.Tensor  # [B, kv heads, slots]: 0, or -inf at a pad
     hidden: torch.Tensor | None = None
 
