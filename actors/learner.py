@@ -19,8 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actors.modeling import (PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy,
-                             tied_names)
+from actors.modeling import PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy
 
 
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
@@ -257,8 +256,7 @@ class Learner:
             if self.rank != 0:
                 return None
             remove_stale()
-            layout = SharedLayout.of(shm_path(policy), state_dict_numpy(policy_module, copy=False),
-                                     tied=tied_names(policy_module.state_dict()))
+            layout = SharedLayout.of(shm_path(policy), state_dict_numpy(policy_module, copy=False))
             free = shm_free_bytes()
             if free < required_free * layout.file_bytes:
                 return (f"/dev/shm has {free / 2**20:.1f} MiB free, the weights need {layout.file_bytes / 2**20:.1f} MiB "

@@ -176,7 +176,6 @@ def tied_names(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return tied
 
 
-
 def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarray]:
     """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled).
     numpy has no bfloat16: bf16 weights (a bf16 CUDA learner) come out as float32. With

@@ -34,23 +34,22 @@ _NAME = re.compile(r"^rlsys-weights-(\d+)-")
 @dataclass(frozen=True)
 class SharedLayout:
     """Where each tensor of one slot lies in the file: (name, shape, numpy dtype, byte offset).
-    A tied name shares its tensor's offset (stored and written once)."""
+    Names given the same array object (tied weights, as `state_dict_numpy` gives them) share
+    one offset: the tensor is stored and written once."""
 
     path: str
     slot_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
 
     @classmethod
-    def of(cls, path: str | Path, arrays: dict[str, np.ndarray], tied: dict[str, str] | None = None) -> "SharedLayout":
-        """`tied`: name -> an earlier name holding the same tensor (actors.modeling.tied_names)."""
-        tied = tied or {}
-        entries, placed, offset = [], {}, 0
+    def of(cls, path: str | Path, arrays: dict[str, np.ndarray]) -> "SharedLayout":
+        entries, placed, offset = [], {}, 0  # placed: id of an array already given an offset -> that offset
         for name, a in arrays.items():
-            if name in tied and tied[name] in placed:
-                entries.append((name, tuple(a.shape), a.dtype.str, placed[tied[name]]))
+            if id(a) in placed:
+                entries.append((name, tuple(a.shape), a.dtype.str, placed[id(a)]))
                 continue
             entries.append((name, tuple(a.shape), a.dtype.str, offset))
-            placed[name] = offset
+            placed[id(a)] = offset
             offset += -(-a.nbytes // ALIGN) * ALIGN
         return cls(str(path), max(offset, ALIGN), tuple(entries))
 

@@ -90,8 +90,8 @@ def test_tied_weights_are_stored_once_and_stay_tied_in_the_worker(tmp_path):
     buffers = []
     pickle.dumps(arrays, protocol=5, buffer_callback=buffers.append)
     assert len(buffers) == len(arrays) - 1
-    layout = SharedLayout.of(tmp_path / "rlsys-weights-tied", state_dict_numpy(learner, copy=False), tied=tied_names(state))
-    untied = _layout(tmp_path, learner)
+    layout = SharedLayout.of(tmp_path / "rlsys-weights-tied", state_dict_numpy(learner, copy=False))
+    untied = SharedLayout.of(tmp_path / "rlsys-weights-untied", {k: a.copy() for k, a in arrays.items()})  # one array per name
     assert untied.slot_bytes - layout.slot_bytes == 48 * 32 * 4
     SharedWeights(layout, create=True).write(0, state)
     got = SharedWeights(layout).arrays(0)
