@@ -49,9 +49,9 @@ class TrainBatch:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "extras":
-                out[f.name] = {k: fn(t) for k, t in v.items()}
+                out[f.name] = {k: fn(t) if isinstance(t, (torch.Tensor, np.ndarray)) else t for k, t in v.items()}
             else:
-                out[f.name] = fn(v) if isinstance(v, torch.Tensor) else v
+                out[f.name] = fn(v) if isinstance(v, (torch.Tensor, np.ndarray)) else v
         return replace(self, **out)
 
     def select(self, index) -> "TrainBatch":
@@ -79,6 +79,24 @@ class TrainBatch:
 
     def num_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    def __reduce__(self):
+        """Pickled (so sent by Ray) with its CPU tensors as numpy arrays: pickle-5 buffers, where a
+        tensor goes through torch.save's bytes per storage (~0.9 ms more per learner call for a
+        64-row batch). Tensors numpy cannot hold (bf16, CUDA, with grad) stay tensors."""
+        wire = self._map(_to_wire)
+        return _batch_from_wire, ({f.name: getattr(wire, f.name) for f in fields(self)},)
+
+
+def _to_wire(t):
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.requires_grad or t.dtype == torch.bfloat16:
+        return t
+    return t.numpy()
+
+
+def _batch_from_wire(values: dict) -> TrainBatch:
+    # a copy: Ray hands out read-only views of its buffers, and the learner may write into a batch
+    return TrainBatch(**values)._map(lambda a: torch.from_numpy(np.array(a)) if isinstance(a, np.ndarray) else a)
 
 
 def rows_into(shape: tuple[int, int], starts: np.ndarray, values: list, dtype, fill=0) -> np.ndarray:

@@ -76,6 +76,31 @@ def test_collate_aligns_per_token_columns_with_targets():
     assert b.ref_logprobs is None
 
 
+def test_a_train_batch_travels_as_pickle5_buffers_and_arrives_writable():
+    import pickle
+
+    import torch
+
+    r = rows(1)[0]
+    r.update(prompt_ids=[7, 8], response_ids=[9, 10, 11], logprobs=[-1.0, -2.0, -3.0], loss_mask=[1, 0, 1])
+    b = collate(make_experience([r, rows(1)[0]]))
+    b.advantages = torch.randn(b.response_mask.shape)
+    b.extras = {"bf16": torch.ones(2, 3, dtype=torch.bfloat16), "scores": torch.arange(2.0)}
+    buffers = []
+    payload = pickle.dumps(b, protocol=5, buffer_callback=buffers.append)  # as Ray sends it
+    # the tensors go out of band (Ray: zero-copy), not as torch.save bytes inside the payload
+    assert len(buffers) >= 6 and len(payload) < 2000
+    read_only = [memoryview(bytes(x.raw())).toreadonly() for x in buffers]  # what a receiver's store gives
+    got = pickle.loads(payload, buffers=read_only)
+    for name in ("input_ids", "attention_mask", "response_mask", "old_logprobs", "advantages"):
+        sent, back = getattr(b, name), getattr(got, name)
+        assert back.dtype == sent.dtype and torch.equal(back, sent)
+    assert got.extras["bf16"].dtype == torch.bfloat16 and torch.equal(got.extras["scores"], b.extras["scores"])
+    assert got.ref_logprobs is None
+    got.advantages.add_(1.0)  # the learner may write into its batch: a copy, not the sender's read-only buffer
+    assert torch.equal(got.advantages, b.advantages + 1.0)
+
+
 def test_arithmetic_task_splits_are_disjoint_and_read_back(tmp_path):
     train, held = generate_problems(300, 50, 0, 20, ["+", "*"], seed=3)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
