@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actors.modeling import PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy
+from actors.modeling import (PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy,
+                             tied_state_dict)
 
 
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
@@ -247,8 +248,8 @@ class Learner:
 
     # ---- trainer.weight_sync=shared_memory (actors/shared_weights.py) ----------------------------
     def share_weights(self, policy: str, required_free: float = 1.25):
-        """Rank 0 creates the policy's shared-memory weights file (two slots of `weights()`'s
-        arrays) and returns its SharedLayout, or a one-line reason it cannot: /dev/shm lacks
+        """Rank 0 creates the policy's shared-memory weights file (two slots of the policy's
+        tensors, in its dtype: a bf16 learner's file is half an fp32 one) and returns its SharedLayout, or a one-line reason it cannot: /dev/shm lacks
         `required_free` x the file's size. Collective under ZeRO-3 (returns None on other ranks)."""
         from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
 
@@ -256,7 +257,7 @@ class Learner:
             if self.rank != 0:
                 return None
             remove_stale()
-            layout = SharedLayout.of(shm_path(policy), state_dict_numpy(policy_module, copy=False))
+            layout = SharedLayout.of(shm_path(policy), tied_state_dict(policy_module))
             free = shm_free_bytes()
             if free < required_free * layout.file_bytes:
                 return (f"/dev/shm has {free / 2**20:.1f} MiB free, the weights need {layout.file_bytes / 2**20:.1f} MiB "

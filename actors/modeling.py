@@ -176,6 +176,14 @@ def tied_names(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return tied
 
 
+def tied_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with tied names (an lm_head that is the embedding) given the same
+    tensor object, so that what is built from it (a numpy dict, a shared-memory layout) holds them once."""
+    state = module.state_dict()
+    tied = tied_names(state)
+    return {k: state[tied[k]] if k in tied else v for k, v in state.items()}
+
+
 def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarray]:
     """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled).
     numpy has no bfloat16: bf16 weights (a bf16 CUDA learner) come out as float32. With
@@ -188,11 +196,12 @@ def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarr
         out = (v.float() if v.dtype == torch.bfloat16 else v).numpy()
         return out.copy() if copy else out
 
-    state = module.state_dict()
-    tied = tied_names(state)
+    converted: dict[int, np.ndarray] = {}  # id of a tensor object -> its array (tied names: one)
     out: dict[str, np.ndarray] = {}
-    for k, v in state.items():
-        out[k] = out[tied[k]] if k in tied else to_numpy(v)
+    for k, v in tied_state_dict(module).items():
+        if id(v) not in converted:
+            converted[id(v)] = to_numpy(v)
+        out[k] = converted[id(v)]
     return out
 
 

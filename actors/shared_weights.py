@@ -2,7 +2,8 @@
 (`trainer.weight_sync: shared_memory`, and what `auto` picks there).
 
 Learner rank 0 keeps a file in /dev/shm holding two copies ("slots") of the policy's
-state dict, each tensor at a 64-byte aligned offset. After an optimizer step it copies its
+state dict, each tensor in the learner's dtype (bf16 too, which numpy lacks: such entries are
+read as torch views) at a 64-byte aligned offset. After an optimizer step it copies its
 weights into slot `version % 2`; a worker maps the file and points its model's parameters
 at the slot's arrays (no copy, as with the object store's read-only buffers). Only a
 version number and the slot travel through Ray, so a sync costs one memory copy on the
@@ -28,29 +29,36 @@ import torch
 SHM_DIR = Path("/dev/shm")
 SLOTS = 2
 ALIGN = 64
+BF16 = "bfloat16"  # a layout's dtype string for bf16 (every other dtype: numpy's, e.g. "<f4")
 _NAME = re.compile(r"^rlsys-weights-(\d+)-")
+
+
+def layout_dtype(t: torch.Tensor | np.ndarray) -> str:
+    if isinstance(t, np.ndarray):
+        return t.dtype.str
+    return BF16 if t.dtype == torch.bfloat16 else torch.empty(0, dtype=t.dtype).numpy().dtype.str
 
 
 @dataclass(frozen=True)
 class SharedLayout:
-    """Where each tensor of one slot lies in the file: (name, shape, numpy dtype, byte offset).
-    Names given the same array object (tied weights, as `state_dict_numpy` gives them) share
-    one offset: the tensor is stored and written once."""
+    """Where each tensor of one slot lies in the file: (name, shape, dtype string, byte offset).
+    Names given the same object (tied weights, as `tied_state_dict` and `state_dict_numpy`
+    give them) share one offset: the tensor is stored and written once."""
 
     path: str
     slot_bytes: int
     entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
 
     @classmethod
-    def of(cls, path: str | Path, arrays: dict[str, np.ndarray]) -> "SharedLayout":
-        entries, placed, offset = [], {}, 0  # placed: id of an array already given an offset -> that offset
-        for name, a in arrays.items():
-            if id(a) in placed:
-                entries.append((name, tuple(a.shape), a.dtype.str, placed[id(a)]))
+    def of(cls, path: str | Path, tensors: dict[str, torch.Tensor | np.ndarray]) -> "SharedLayout":
+        entries, placed, offset = [], {}, 0  # placed: id of an object already given an offset -> that offset
+        for name, t in tensors.items():
+            if id(t) in placed:
+                entries.append((name, tuple(t.shape), layout_dtype(t), placed[id(t)]))
                 continue
-            entries.append((name, tuple(a.shape), a.dtype.str, offset))
-            placed[id(a)] = offset
-            offset += -(-a.nbytes // ALIGN) * ALIGN
+            entries.append((name, tuple(t.shape), layout_dtype(t), offset))
+            placed[id(t)] = offset
+            offset += -(-t.nbytes // ALIGN) * ALIGN
         return cls(str(path), max(offset, ALIGN), tuple(entries))
 
     @property
@@ -106,22 +114,24 @@ class SharedWeights:
         self.buffer = np.memmap(layout.path, dtype=np.uint8, mode="r+", shape=(layout.file_bytes,))
         self._views: dict[int, dict[str, np.ndarray]] = {}
 
-    def arrays(self, slot: int) -> dict[str, np.ndarray]:
-        """The slot's tensors as numpy views of the mapping (valid while this object lives)."""
+    def arrays(self, slot: int) -> dict[str, np.ndarray | torch.Tensor]:
+        """The slot's tensors as views of the mapping (valid while this object lives): numpy
+        arrays, bf16 entries as torch tensors."""
         if not 0 <= slot < SLOTS:
             raise ValueError(f"slot {slot} (the file has {SLOTS})")
         if slot not in self._views:
             self._views[slot] = self._slot_views(slot)
         return self._views[slot]
 
-    def _slot_views(self, slot: int) -> dict[str, np.ndarray]:
+    def _slot_views(self, slot: int) -> dict[str, np.ndarray | torch.Tensor]:
         base = slot * self.layout.slot_bytes
         out = {}
         for name, shape, dtype, offset in self.layout.entries:
-            dt = np.dtype(dtype)
+            dt = np.dtype(np.uint16 if dtype == BF16 else dtype)
             count = int(np.prod(shape, dtype=np.int64))
             start = base + offset
-            out[name] = self.buffer[start : start + count * dt.itemsize].view(dt).reshape(shape)
+            view = self.buffer[start : start + count * dt.itemsize].view(dt).reshape(shape)
+            out[name] = torch.from_numpy(view).view(torch.bfloat16) if dtype == BF16 else view
         return out
 
     def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -134,7 +144,8 @@ class SharedWeights:
         with torch.no_grad():
             for name, _, _, offset in self.layout.entries:
                 if offset not in written:  # a tied name's tensor is already there
-                    torch.from_numpy(views[name]).copy_(tensors[name].detach().reshape(views[name].shape))
+                    view = views[name] if isinstance(views[name], torch.Tensor) else torch.from_numpy(views[name])
+                    view.copy_(tensors[name].detach().reshape(view.shape))
                     written.add(offset)
 
     def close(self, unlink: bool = False) -> None:

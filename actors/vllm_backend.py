@@ -176,11 +176,22 @@ def weight_buckets(items: Sequence[tuple[str, np.ndarray]], max_bytes: int = DEF
     return buckets
 
 
-def weight_payload(items: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, str, list[int], bytes]]:
-    """(name, array) pairs as plain data for `LLM.collective_rpc`: (name, numpy dtype string,
-    shape, raw bytes). vLLM's engine process decodes rpc arguments with msgpack, which
-    carries bytes, strings and lists everywhere but not numpy arrays as such."""
-    return [(name, np.asarray(a).dtype.str, list(np.shape(a)), np.ascontiguousarray(a).tobytes()) for name, a in items]
+def weight_payload(items: Sequence[tuple[str, Any]]) -> list[tuple[str, str, list[int], bytes]]:
+    """(name, array) pairs as plain data for `LLM.collective_rpc`: (name, dtype string, shape,
+    raw bytes). vLLM's engine process decodes rpc arguments with msgpack, which carries bytes,
+    strings and lists everywhere but not numpy arrays as such. bf16 tensors (a bf16 learner's
+    shared-memory slot) go as dtype "bfloat16" with their 2-byte values."""
+    import torch
+
+    from actors.shared_weights import BF16
+
+    out = []
+    for name, a in items:
+        if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16:
+            out.append((name, BF16, list(a.shape), a.contiguous().view(torch.int16).numpy().tobytes()))
+        else:
+            out.append((name, np.asarray(a).dtype.str, list(np.shape(a)), np.ascontiguousarray(a).tobytes()))
+    return out
 
 
 def tied_embeddings(model_dir: str | Path) -> bool:

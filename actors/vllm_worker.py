@@ -24,9 +24,20 @@ def engine_tensor(array, dtype: torch.dtype, device) -> torch.Tensor:
     return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
 
 
-def arrays_from_payload(payload) -> list[tuple[str, np.ndarray]]:
-    """The inverse of actors.vllm_backend.weight_payload: (name, dtype, shape, bytes) -> (name, array)."""
-    return [(name, np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)) for name, dtype, shape, data in payload]
+def arrays_from_payload(payload) -> list[tuple[str, np.ndarray | torch.Tensor]]:
+    """The inverse of actors.vllm_backend.weight_payload: (name, dtype, shape, bytes) -> (name,
+    array), bf16 entries as torch tensors (numpy has no bfloat16)."""
+    from actors.shared_weights import BF16
+
+    out = []
+    for name, dtype, shape, data in payload:
+        if dtype == BF16:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only buffer, only read
+                out.append((name, torch.from_numpy(np.frombuffer(data, dtype=np.int16)).view(torch.bfloat16).reshape(shape)))
+        else:
+            out.append((name, np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)))
+    return out
 
 
 class RlsysWorkerExtension:

@@ -199,7 +199,7 @@ class Check:
 
     def shared_memory(self):
         """trainer.weight_sync=shared_memory minus Ray: the learner writes a slot of its /dev/shm file
-        (bf16 -> fp32 on the way), the backend on the device loads the slot's arrays; the
+        (in its own dtype: bf16 on the device), the backend on the device loads the slot's arrays; the
         backend's weights must then equal the learner's."""
         import numpy as np
 
@@ -216,7 +216,8 @@ class Check:
             "the backend's weights differ from the learner's after the shared-memory load"
         self.learner_.close_shared()
         mb = layout.file_bytes / 2 / 2**20
-        self.add(f"shared-memory sync ms ({mb:.0f} MB fp32 slot): learner {self.learner_.device} write_shared + hf "
+        dtypes = "/".join(sorted({dtype for _, _, dtype, _ in layout.entries}))
+        self.add(f"shared-memory sync ms ({mb:.0f} MB {dtypes} slot): learner {self.learner_.device} write_shared + hf "
                  f"load_weights on {self.device}, weights equal", f"{(t_write + t_load) * 1e3:.1f}",
                  f"write {t_write * 1e3:.1f}", f"{mb / (t_write + t_load):.0f} MB/s")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.modeling import tied_names
-from actors.shared_weights import ALIGN, SLOTS, SharedLayout, SharedWeights, remove_stale
+from actors.shared_weights import ALIGN, BF16, SLOTS, SharedLayout, SharedWeights, remove_stale
 
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -27,10 +27,10 @@ def _tiny_model(seed: int):
                                         num_attention_heads=4, num_key_value_heads=2)).eval()
 
 
-def _layout(tmp_path, model):
-    from actors.modeling import state_dict_numpy
+def _layout(tmp_path, model, name="rlsys-weights-test"):
+    from actors.modeling import tied_state_dict
 
-    return SharedLayout.of(tmp_path / "rlsys-weights-test", state_dict_numpy(model, copy=False))
+    return SharedLayout.of(tmp_path / name, tied_state_dict(model))  # as Learner.share_weights builds it
 
 
 def test_slots_hold_aligned_disjoint_copies_of_the_state_dict(tmp_path):
@@ -90,7 +90,7 @@ def test_tied_weights_are_stored_once_and_stay_tied_in_the_worker(tmp_path):
     buffers = []
     pickle.dumps(arrays, protocol=5, buffer_callback=buffers.append)
     assert len(buffers) == len(arrays) - 1
-    layout = SharedLayout.of(tmp_path / "rlsys-weights-tied", state_dict_numpy(learner, copy=False))
+    layout = _layout(tmp_path, learner, "rlsys-weights-tied")
     untied = SharedLayout.of(tmp_path / "rlsys-weights-untied", {k: a.copy() for k, a in arrays.items()})  # one array per name
     assert untied.slot_bytes - layout.slot_bytes == 48 * 32 * 4
     SharedWeights(layout, create=True).write(0, state)
@@ -103,9 +103,33 @@ def test_tied_weights_are_stored_once_and_stay_tied_in_the_worker(tmp_path):
         assert torch.equal(worker(ids).logits, learner(ids).logits)
 
 
-def test_bf16_weights_are_written_as_the_layouts_float32(tmp_path):
+def test_a_bf16_learners_slots_hold_bf16_which_a_bf16_worker_adopts_and_an_fp32_one_casts(tmp_path):
+    """A bf16 learner (DeepSpeed bf16) gets a file half an fp32 one's size, not fp32 copies."""
+    from actors.modeling import adopt_numpy_state
+
+    learner = _tiny_model(0).to(torch.bfloat16)
+    layout = _layout(tmp_path, learner)
+    assert {dt for _, _, dt, _ in layout.entries} == {BF16}
+    assert layout.slot_bytes <= 0.55 * _layout(tmp_path, _tiny_model(0), "rlsys-weights-fp32").slot_bytes
+    state = learner.state_dict()
+    SharedWeights(layout, create=True).write(0, state)
+    got = SharedWeights(layout).arrays(0)
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v) for k, v in state.items())
+    ids = torch.tensor([[3, 5, 7, 11]])
+    bf16_worker, fp32_worker = _tiny_model(1).to(torch.bfloat16), _tiny_model(1)
+    adopt_numpy_state(bf16_worker, got)
+    adopt_numpy_state(fp32_worker, got)
+    assert bf16_worker.model.norm.weight.data_ptr() == got["model.norm.weight"].data_ptr()  # a view, no copy
+    assert all(torch.equal(v.float(), fp32_worker.state_dict()[k]) for k, v in state.items())
+    with torch.no_grad():
+        assert torch.equal(bf16_worker(ids).logits, learner(ids).logits)
+
+
+def test_bf16_weights_written_into_a_float32_layout_are_cast(tmp_path):
+    from actors.modeling import state_dict_numpy
+
     model = _tiny_model(0)
-    layout = _layout(tmp_path, model)
+    layout = SharedLayout.of(tmp_path / "rlsys-weights-f32", state_dict_numpy(model, copy=False))
     bf16 = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     SharedWeights(layout, create=True).write(0, bf16)
     got = SharedWeights(layout).arrays(0)

@@ -134,6 +134,9 @@ def test_weight_payload_round_trips_through_msgpack_plain_data():
     assert [n for n, _ in back] == [n for n, _ in items]
     for (_, a), (_, b) in zip(items, back):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    bf16 = torch.randn(3, 5).to(torch.bfloat16)  # a bf16 learner's shared-memory slot entry
+    (name, back), = arrays_from_payload(msgpack.unpackb(msgpack.packb(weight_payload([("d.weight", bf16.t())]))))
+    assert name == "d.weight" and back.dtype == torch.bfloat16 and torch.equal(back, bf16.t())
 
 
 def test_engine_tensor_converts_readonly_fp32_numpy_to_bf16():
