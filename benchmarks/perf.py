@@ -402,9 +402,10 @@ class Bench:
     def end_to_end(self, steps: int, sft_steps: int, prompts: int = 16, group: int = 4, new: int = 32) -> str:
         """GRPO samples/s: rlsys's Controller (Ray actors, as `rlsys run`) vs TRL's GRPOTrainer
         (in-process, CPU, no vllm, fp32, torch on 1 thread as each rlsys actor), from the same
-        SFT-warmed policy with the same prompts, reward, G, max length, lr and clipping, no KL
-        term in either (TRL's default beta=0). The two alternate step by step; samples/s is the
-        median step's, the first step of each left out.
+        SFT-warmed policy with the same prompts, reward, G, max length, lr and its schedule,
+        clipping, no KL term in either (TRL's default beta=0). The two alternate step by step;
+        samples/s is the median step's, the first step of each left out. Reward after the same
+        samples: the mean train reward, and each final policy's greedy held-out accuracy.
         Returns rlsys's per-phase split of the timed steps."""
         import ray
         import torch
@@ -412,6 +413,7 @@ class Bench:
         from transformers import PrinterCallback, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
+        from actors.modeling import state_dict_numpy
         from rlsys.config import load_config
         from rlsys.controller import Controller
         from rlsys.models import load_model
@@ -419,15 +421,16 @@ class Bench:
         torch.set_num_threads(1)  # as each rlsys actor (an earlier figure's libraries may have changed it)
         run_dir = self.controller.run_dir.parent / "e2e"
         common = [f"run.output_dir={run_dir.parent}", "sft.demo_error=0", "algorithm.kl_coef=0",
-                  f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}"]
+                  f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}",
+                  f"trainer.steps={steps}"]  # the lr schedule's length (TRL's: max_steps)
         c = Controller(load_config(QUICKSTART, [*common, "run.name=e2e", f"sft.steps={sft_steps}"]), run_dir, progress=False)
         policy_dir = c.prepare_policy()
         c.start_actors(policy_dir)
         # the same policy, generating step t+1's rows while the learner trains on step t's
         over = Controller(load_config(QUICKSTART, [*common, "run.name=e2e-overlap", f"model.path={policy_dir}", "sft.steps=0",
-                                                   "trainer.overlap_rollout=true", "buffer.max_staleness=1",
-                                                   f"trainer.steps={steps}"]), run_dir.parent / "e2e-overlap", progress=False)
+                                                   "trainer.overlap_rollout=true", "buffer.max_staleness=1"]), run_dir.parent / "e2e-overlap", progress=False)
         over.start_actors(over.prepare_policy())
+        start_accuracy = c.evaluate(greedy=True)["accuracy"]
         cfg = c.cfg
         ours, overlapped, theirs, rewards, over_rewards, phases, lengths, threads = [], [], [], [], [], {}, [], set()
 
@@ -460,12 +463,19 @@ class Bench:
                           gradient_checkpointing=False, use_vllm=False, num_generations=group,
                           per_device_train_batch_size=prompts * group, max_completion_length=new, temperature=1.0,
                           learning_rate=cfg.learner.lr, max_grad_norm=cfg.learner.grad_clip, beta=0.0,
+                          lr_scheduler_type="cosine_with_min_lr",  # rlsys's: cosine to min_lr_ratio over the run
+                          lr_scheduler_kwargs={"min_lr_rate": cfg.learner.min_lr_ratio}, warmup_steps=cfg.learner.warmup_steps,
                           max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
                           dataloader_num_workers=0, seed=0, disable_tqdm=True, log_level="error")
         trainer = GRPOTrainer(model=load_model(policy_dir), reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tok, callbacks=[Interleave()])
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         trainer.train()
+        # "equal or better reward after the same number of samples": each run's final policy,
+        # greedy on the held-out split, through the same rollout worker (TRL's weights loaded into it)
+        accuracy = {"rlsys": c.evaluate(greedy=True)["accuracy"], "overlap": over.evaluate(greedy=True)["accuracy"]}
+        ray.get([w.load_weights.remote(c.ctx.policy_version, state_dict_numpy(trainer.model)) for w in c.workers])
+        accuracy["trl"] = c.evaluate(greedy=True)["accuracy"]
         c.shutdown(), over.shutdown()
         samples = prompts * group
         ours_sps, theirs_sps = samples / statistics.median(ours[1:]), samples / statistics.median(theirs[1:])
@@ -476,10 +486,12 @@ class Bench:
               f"torch threads in the TRL process {sorted(threads)}", file=sys.stderr)
         self.add(f"end-to-end GRPO samples/s vs TRL GRPOTrainer (G={group}, {prompts} prompts/step, <= {new} new, "
                  f"{sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
-                 f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f})",
+                 f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f}; held-out greedy accuracy after "
+                 f"the run {accuracy['rlsys']:.3f} vs {accuracy['trl']:.3f}, from {start_accuracy:.3f})",
                  f"{ours_sps:.1f}", f"{theirs_sps:.1f}", ours_sps / theirs_sps, ">= 1.5x")
         self.add(f"end-to-end, trainer.overlap_rollout (next step's rollout during training; mean train reward "
-                 f"{statistics.mean(over_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f})",
+                 f"{statistics.mean(over_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f}; held-out greedy accuracy "
+                 f"{accuracy['overlap']:.3f} vs {accuracy['trl']:.3f})",
                  f"{over_sps:.1f}", f"{theirs_sps:.1f}", over_sps / theirs_sps, ">= 1.5x")
         total = sum(ours)
         return "rlsys end-to-end step split: " + ", ".join(
