@@ -78,7 +78,8 @@ class Algorithm(Protocol):
     def state(self) -> dict: ...
     def load_state(self, state: dict) -> None: ...
     # Optional hooks the controller looks for: warmup_task, teacher_dir, restarts_policy,
-    # prepare_metrics, allows_overlap, and for an algorithm that trains several policies
+    # prepare_metrics, allows_overlap, `evaluate(ctx, prompts, params) -> {"accuracy": ..., ...}`
+    # (held-out metrics measured the algorithm's way, e.g. RLEF's multi-turn 1@3), and for an algorithm that trains several policies
     # (CDG's per-role models) `policy_names` (the run's policy first; each gets its own
     # rollout worker and learner) with `split_by_policy(table) -> {name: rows}`. `prepare`
     # then runs once per policy's rows; `generate(requests, policy=name)` samples from one.

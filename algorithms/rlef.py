@@ -1,9 +1,10 @@
 """RLEF: multi-turn code RL with execution feedback (Gehring et al. 2024; ../shared/papers/rlef.md).
 
-Rollout: each prompt opens `samples_per_prompt` episodes of envs/code.py's CodeEpisode;
-turn by turn, every active episode's answer is generated, and all public-test runs of
-the turn go to the sandbox pool at once (`ctx.execute`); failed ones get the feedback
-as the next user turn; at the end all final codes run on the private tests at once.
+Rollout: each prompt opens `samples_per_prompt` episodes of envs/code.py's CodeEpisode,
+played by `play_episodes`: turn by turn, every active episode's answer is generated, and all
+public-test runs of the turn go to the sandbox pool at once (`ctx.execute`); failed ones get
+the feedback as the next user turn; at the end all final codes run on the private tests at
+once. Held-out evaluation plays the same episodes, one per problem (`evaluate`: 1@3).
 
 One experience row per episode: prompt = the problem, response = answer_1 + feedback_1 +
 answer_2 + ... with loss_mask 0 on the feedback (environment) tokens.
@@ -31,6 +32,7 @@ from pydantic import Field
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, set_token_column
 from algorithms.common import clipped_policy_loss, clipped_value_loss, masked_mean, masked_whiten
+from envs.code import play_episodes
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
@@ -87,6 +89,44 @@ def capped_importance_weight(old_logprobs: torch.Tensor, behaviour_logprobs: tor
     return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=1.0).detach()
 
 
+class TokenTurns:
+    """`play_episodes`' answer callback at the token level. Each active episode's next answer
+    is generated from its prompt ids plus every answer and feedback token so far (the last
+    turn's feedback is tokenised as the next turn starts); per episode it records the response
+    ids, the sampler's logprobs and the loss mask (0 on feedback tokens). `params()`: the
+    turn's SamplingParams."""
+
+    def __init__(self, ctx, prompts, episodes, params):
+        self.ctx, self.prompts, self.episodes, self.params = ctx, prompts, episodes, params
+        def per_episode():
+            return [[] for _ in episodes]
+
+        self.response, self.logprobs, self.loss_mask = per_episode(), per_episode(), per_episode()
+        self.answer_lengths, self.feedback_lengths, self.finish = per_episode(), per_episode(), per_episode()
+
+    def _append(self, i: int, ids: list[int], logprobs: list[float], trained: bool) -> None:
+        self.response[i] += ids
+        self.logprobs[i] += logprobs
+        self.loss_mask[i] += [int(trained)] * len(ids)
+
+    def __call__(self, active: list[int], dialogs: list[str]) -> list[str]:
+        tok = self.ctx.tokenizer
+        for i in active:
+            if len(self.episodes[i].feedbacks) > len(self.feedback_lengths[i]):
+                ids = tok(self.episodes[i].feedbacks[-1], add_special_tokens=False)["input_ids"]
+                self._append(i, ids, [0.0] * len(ids), trained=False)
+                self.feedback_lengths[i].append(len(ids))
+        params = self.params()
+        gens = self.ctx.generate([GenerationRequest(list(self.prompts[i].prompt_ids) + self.response[i], params)
+                                  for i in active])
+        gens = sorted(gens, key=lambda g: g.request_index)
+        for i, g in zip(active, gens):
+            self._append(i, g.response_ids, g.logprobs, trained=True)
+            self.answer_lengths[i].append(len(g.response_ids))
+            self.finish[i].append(g.finish_reason)
+        return tok.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+
+
 @register("rlef")
 class RLEF(StatelessMixin):
     Config = RLEFConfig
@@ -95,57 +135,45 @@ class RLEF(StatelessMixin):
     def __init__(self, config: RLEFConfig | None = None):
         self.config = config or self.Config()
 
-    def rollout(self, ctx, prompts) -> pa.Table:
-        c, tok = self.config, ctx.tokenizer
+    def open_episodes(self, ctx, starts, uids: Sequence[str]) -> list:
         if getattr(ctx, "sandbox", None) is None:
             raise RuntimeError("rlef needs a task that runs code (task.name=code) and the run's sandbox pool")
+        return [ctx.task.episode(p.meta, self.config.max_turns, uid=uid, feedback_chars=self.config.feedback_chars)
+                for p, uid in zip(starts, uids)]
+
+    def rollout(self, ctx, prompts) -> pa.Table:
+        c = self.config
         starts = [p for p in prompts for _ in range(c.samples_per_prompt)]
-        episodes = [ctx.task.episode(p.meta, c.max_turns, uid=f"{p.uid}/{k % c.samples_per_prompt}",
-                                     feedback_chars=c.feedback_chars) for k, p in enumerate(starts)]
-        response = [[] for _ in episodes]  # token ids after the prompt
-        logprobs = [[] for _ in episodes]
-        loss_mask = [[] for _ in episodes]
-        answer_lengths = [[] for _ in episodes]
-        feedback_lengths = [[] for _ in episodes]
-        finish = [[] for _ in episodes]
-        while active := [i for i, e in enumerate(episodes) if not e.done]:
-            params = ctx.sampling(n=1, seed=ctx.next_seed())
-            gens = ctx.generate([GenerationRequest(list(starts[i].prompt_ids) + response[i], params) for i in active])
-            gens = sorted(gens, key=lambda g: g.request_index)
-            texts = tok.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
-            requests = [episodes[i].submit(text) for i, text in zip(active, texts)]
-            results = iter(ctx.execute([r for r in requests if r is not None]))  # the whole turn at once
-            for i, g, req in zip(active, gens, requests):
-                feedback = episodes[i].observe(next(results) if req is not None else None)
-                response[i] += g.response_ids
-                logprobs[i] += g.logprobs
-                loss_mask[i] += [1] * len(g.response_ids)
-                answer_lengths[i].append(len(g.response_ids))
-                finish[i].append(g.finish_reason)
-                if feedback is not None:
-                    ids = tok(feedback, add_special_tokens=False)["input_ids"]
-                    response[i] += ids
-                    logprobs[i] += [0.0] * len(ids)
-                    loss_mask[i] += [0] * len(ids)
-                    feedback_lengths[i].append(len(ids))
-        finals = [e.final_request() for e in episodes]
-        results = iter(ctx.execute([r for r in finals if r is not None]))
-        for e, req in zip(episodes, finals):
-            e.finish(next(results) if req is not None else None)
+        episodes = self.open_episodes(ctx, starts, [f"{p.uid}/{k % c.samples_per_prompt}" for k, p in enumerate(starts)])
+        turns = TokenTurns(ctx, starts, episodes, lambda: ctx.sampling(n=1, seed=ctx.next_seed()))
+        play_episodes(episodes, turns, ctx.execute)  # a turn's public runs (then the private ones) at once
         rows = []
         for i, (p, e) in enumerate(zip(starts, episodes)):
-            meta = {**p.meta, "turn_rewards": e.turn_rewards, "answer_lengths": answer_lengths[i],
-                    "feedback_lengths": feedback_lengths[i], "public_passed": e.public_passed,
+            meta = {**p.meta, "turn_rewards": e.turn_rewards, "answer_lengths": turns.answer_lengths[i],
+                    "feedback_lengths": turns.feedback_lengths[i], "public_passed": e.public_passed,
                     "private_passed": e.private_passed, "no_code_turns": sum(x is None for x in e.programs),
-                    "finish_reasons": finish[i],
+                    "finish_reasons": turns.finish[i],
                     "sandbox_runs": sum(x is not None for x in e.programs) + (e.programs[-1] is not None)}
-            rows.append(dict(uid=new_uid(), group=p.uid, prompt_ids=list(p.prompt_ids), response_ids=response[i],
-                             logprobs=logprobs[i], loss_mask=loss_mask[i], reward=e.reward,
+            rows.append(dict(uid=new_uid(), group=p.uid, prompt_ids=list(p.prompt_ids), response_ids=turns.response[i],
+                             logprobs=turns.logprobs[i], loss_mask=turns.loss_mask[i], reward=e.reward,
                              policy_version=ctx.policy_version, meta=meta))
         table = make_experience(rows, LEARNER_LOGPROBS)
         table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         table = set_token_column(table, "values", ctx.values(table))
         return set_token_column(table, "learner_logprobs", ctx.policy_logprobs(table))
+
+    def evaluate(self, ctx, prompts, params) -> dict[str, float]:
+        """Held-out metrics as the paper reports them: one episode per problem (up to max_turns
+        answers with public-test feedback), `accuracy` = its final code passing the private tests
+        (1@3 at the default), sampled with `params` (the controller's: greedy by default)."""
+        episodes = self.open_episodes(ctx, prompts, [f"{p.uid}/eval" for p in prompts])
+        play_episodes(episodes, TokenTurns(ctx, prompts, episodes, lambda: params), ctx.execute)
+        return {
+            "accuracy": float(np.mean([bool(e.private_passed) for e in episodes])),
+            "public_pass": float(np.mean([e.public_passed for e in episodes])),
+            "turns_mean": float(np.mean([len(e.answers) for e in episodes])),
+            "first_answer_public_pass": float(np.mean([e.public_passed and len(e.answers) == 1 for e in episodes])),
+        }
 
     def turn_targets(self, table: pa.Table) -> list[tuple[list[tuple[int, int]], np.ndarray, np.ndarray]]:
         """Per row: the answer spans, G_t and A_t."""

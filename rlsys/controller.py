@@ -458,6 +458,8 @@ class Controller:
         })
         if cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
             metrics["accuracy/train"] = float((rewards >= 1.0).mean())
+        if ctx.sandbox is not None:  # every step of a run with a sandbox pool reports it, 0 when nothing ran
+            ctx.timings.setdefault("sandbox", 0.0)
         for phase, seconds in ctx.timings.items():
             metrics[f"time/{phase}"] = seconds
         metrics["time/step"] = time.perf_counter() - start
@@ -599,11 +601,14 @@ class Controller:
 
     def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
         """Accuracy on a split through the rollout workers (current policy version): greedy
-        unless `rollout.eval_greedy` is off (or `greedy=False`), then pass@1 at the rollout temperature."""
+        unless `rollout.eval_greedy` is off (or `greedy=False`), then pass@1 at the rollout
+        temperature. An algorithm with an `evaluate` hook measures it its own way."""
         rows = self.task.rows(split)
         prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
         greedy = self.cfg.rollout.eval_greedy if greedy is None else greedy
         params = self.ctx.sampling(n=1, temperature=0.0 if greedy else self.cfg.rollout.temperature, seed=12345)
+        if hasattr(self.algorithm, "evaluate"):  # its own protocol (RLEF: multi-turn episodes, 1@3)
+            return {**self.algorithm.evaluate(self.ctx, prompts, params), "n": float(len(prompts))}
         gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
         texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
         correct = [self.task.is_correct(prompts[g.request_index].meta, t) for g, t in zip(gens, texts)]

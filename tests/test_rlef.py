@@ -217,6 +217,51 @@ def test_broken_solution_gets_feedback_and_minus_one_on_bwrap(bwrap):
 
 # ---- advantages, masks and the loss ------------------------------------------------------
 
+class ScriptedWorkers:
+    """Stands in for the rollout workers (the test is about how RLEF plays and counts held-out
+    episodes, not about generation): answer k to a problem is its script's k-th answer. The
+    sandbox runs are real (the `unsafe` backend, as the state-machine tests above)."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], backend):
+        self.tokenizer, self.scripts, self.backend, self.sandbox = tokenizer, scripts, backend, backend
+        self.task = type("Task", (), {"episode": staticmethod(lambda row, max_turns, uid="", feedback_chars=500:
+                                                                CodeEpisode(row, max_turns, uid=uid, feedback_chars=feedback_chars))})
+        self.asked: dict[str, int] = {}
+
+    def generate(self, requests):
+        from rlsys.generation import Generation
+
+        out = []
+        for i, r in enumerate(requests):
+            prompt = next(p for p in self.scripts if r.prompt_ids[:len(self.tokenizer(p)["input_ids"])] == self.tokenizer(p)["input_ids"])
+            k = self.asked[prompt] = self.asked.get(prompt, -1) + 1
+            ids = self.tokenizer(self.scripts[prompt][k], add_special_tokens=False)["input_ids"]
+            out.append(Generation(i, list(r.prompt_ids), ids, [0.0] * len(ids), "stop"))
+        return out
+
+    def execute(self, requests):
+        return [self.backend.run(r) for r in requests]
+
+
+def test_held_out_evaluation_is_the_papers_1_at_3(unsafe):
+    """One episode per problem; a problem counts when its final code passes the private tests
+    (here: right at once, right after one feedback turn), not when its first answer does."""
+    from algorithms.base import Prompt
+    from rlsys.generation import SamplingParams
+    from rlsys.models import train_tokenizer
+
+    scripts = {"def f(x):\n    \"\"\"x plus one\"\"\"\n": [RIGHT], "def f(x):\n    \"\"\"one more than x\"\"\"\n": [WRONG, RIGHT],
+               "def f(x):\n    \"\"\"add one to x\"\"\"\n": [WRONG, WRONG, WRONG],
+               "def f(x):\n    \"\"\"the successor of x\"\"\"\n": [PUBLIC_ONLY]}
+    tok = train_tokenizer([*scripts, RIGHT, WRONG, PUBLIC_ONLY, FEEDBACK_HEAD], vocab_size=200)
+    ctx = ScriptedWorkers(tok, scripts, unsafe)
+    prompts = [Prompt(f"eval-{i}", tok(p)["input_ids"], p, {**ROW, "prompt": p, "code_prefix": p})
+               for i, p in enumerate(scripts)]
+    got = RLEF().evaluate(ctx, prompts, SamplingParams(temperature=0.0))
+    assert ctx.asked == {p: len(s) - 1 for p, s in scripts.items()}  # each script played to its end, no further
+    assert got == {"accuracy": 0.5, "public_pass": 0.75, "turns_mean": 1.75, "first_answer_public_pass": 0.5}
+
+
 def test_turn_advantages_are_returns_to_go_minus_the_turn_value():
     returns, adv = turn_advantages([-0.2, 0.0, 1.0], [0.5, 0.0, -1.0], [0.1, 0.2, 0.3], kl_coef=0.1)
     r = np.array([-0.2 - 0.05, 0.0, 1.0 + 0.1])

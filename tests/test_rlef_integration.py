@@ -38,6 +38,11 @@ def test_two_rlef_steps_with_the_sandbox_pool(ray_cluster, tmp_path):
         assert 1 <= row["rlef/turns_mean"] <= 3
         assert all(v == v for v in row.values() if isinstance(v, float))  # no NaN
     assert ray_cluster.get(controller.workers[0].policy_version.remote()) == 2
+    # held-out evaluation plays multi-turn episodes (1@3), before RL and after the last step
+    evals = [json.loads(l) for l in (tmp_path / "rlef" / "evals.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["evaluator"]) for r in evals] == [(0, "heldout"), (2, "heldout")]
+    for r in evals:
+        assert r["n"] == 2 and 1 <= r["turns_mean"] <= 3 and 0 <= r["accuracy"] <= 1 and "public_pass" in r
 
     # One more rollout on the live actors (the run closed its pool): feedback tokens carry
     # loss_mask 0 and decode to the env's feedback turns; answer tokens carry 1.
