@@ -227,13 +227,14 @@ class ScriptedWorkers:
         self.task = type("Task", (), {"episode": staticmethod(lambda row, max_turns, uid="", feedback_chars=500:
                                                                 CodeEpisode(row, max_turns, uid=uid, feedback_chars=feedback_chars))})
         self.asked: dict[str, int] = {}
+        self.script_ids = {p: tokenizer(p)["input_ids"] for p in scripts}
 
     def generate(self, requests):
         from rlsys.generation import Generation
 
         out = []
         for i, r in enumerate(requests):
-            prompt = next(p for p in self.scripts if r.prompt_ids[:len(self.tokenizer(p)["input_ids"])] == self.tokenizer(p)["input_ids"])
+            prompt = next(p for p, ids in self.script_ids.items() if r.prompt_ids[:len(ids)] == ids)
             k = self.asked[prompt] = self.asked.get(prompt, -1) + 1
             ids = self.tokenizer(self.scripts[prompt][k], add_special_tokens=False)["input_ids"]
             out.append(Generation(i, list(r.prompt_ids), ids, [0.0] * len(ids), "stop"))
