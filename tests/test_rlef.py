@@ -22,7 +22,6 @@ from envs.code import (
 from envs.datasets import DatasetError
 from rlsys.experience import make_experience
 from sandbox.types import ExecResult, TestResult
-from tests.conftest import sandbox_skip_reason
 
 ROW = {  # public: f(1) == 2; private: two more cases
     "prompt": "def f(x):\n    \"\"\"x plus one\"\"\"\n",
@@ -49,22 +48,10 @@ class Recorder:
 def unsafe():
     # The state-machine tests are about the episode's logic, not isolation: the plain
     # subprocess backend (NOT a sandbox) runs our own fixed snippets here. The tests on
-    # HumanEval canonical and broken solutions below use the real bwrap backend.
+    # HumanEval canonical and broken solutions below run in the real sandboxes (bwrap and docker).
     from sandbox import make_backend
 
     return make_backend("subprocess-unsafe")
-
-
-@pytest.fixture(scope="module")
-def bwrap():
-    why = sandbox_skip_reason("bwrap")
-    if why:
-        pytest.skip(why)
-    from sandbox import make_backend
-
-    backend = make_backend("bwrap")
-    yield backend
-    backend.close()
 
 
 def play(answers, backend, max_turns=3, row=ROW):
@@ -198,24 +185,24 @@ def test_user_rows_and_one_line_errors(tmp_path):
 SAMPLE = [0, 2, 10, 32, 38, 50, 53, 100, 163]  # 32, 38, 50, 53: loop-shaped tests
 
 
-def test_canonical_solutions_pass_in_one_turn_on_bwrap(bwrap):
+def test_canonical_solutions_pass_in_one_turn_in_the_sandbox(sandbox_backend):
     rows = humaneval_rows()
     episodes = [CodeEpisode(rows[i], uid=rows[i]["id"]) for i in SAMPLE]
     play_episodes(episodes, lambda idx, d: [f"```python\n{episodes[i].row['answer']}```" if i % 2 else
-                                            episodes[i].row["answer"] for i in idx], lambda rs: [bwrap.run(r) for r in rs])
+                                            episodes[i].row["answer"] for i in idx], lambda rs: [sandbox_backend.run(r) for r in rs])
     assert [(len(e.answers), e.reward) for e in episodes] == [(1, 1.0)] * len(SAMPLE)
 
 
-def test_broken_solution_gets_feedback_and_minus_one_on_bwrap(bwrap):
+def test_broken_solution_gets_feedback_and_minus_one_in_the_sandbox(sandbox_backend):
     rows = humaneval_rows()
     episodes = [CodeEpisode(rows[i], uid=rows[i]["id"]) for i in (0, 53)]
-    play_episodes(episodes, lambda idx, d: ["    return None\n"] * len(idx), lambda rs: [bwrap.run(r) for r in rs])
+    play_episodes(episodes, lambda idx, d: ["    return None\n"] * len(idx), lambda rs: [sandbox_backend.run(r) for r in rs])
     for e in episodes:
         assert len(e.answers) == 3 and e.reward == -1.0 and not e.private_passed and len(e.feedbacks) == 2
         assert e.feedbacks[0].startswith("\n" + FEEDBACK_HEAD) and "got None" in e.feedbacks[0]
 
 
-# ---- advantages, masks and the loss ------------------------------------------------------
+# ---- held-out evaluation ----------------------------------------------------------------
 
 class ScriptedWorkers:
     """Stands in for the rollout workers (the test is about how RLEF plays and counts held-out
@@ -262,6 +249,8 @@ def test_held_out_evaluation_is_the_papers_1_at_3(unsafe):
     assert ctx.asked == {p: len(s) - 1 for p, s in scripts.items()}  # each script played to its end, no further
     assert got == {"accuracy": 0.5, "public_pass": 0.75, "turns_mean": 1.75, "first_answer_public_pass": 0.5}
 
+
+# ---- advantages, masks and the loss ------------------------------------------------------
 
 def test_turn_advantages_are_returns_to_go_minus_the_turn_value():
     returns, adv = turn_advantages([-0.2, 0.0, 1.0], [0.5, 0.0, -1.0], [0.1, 0.2, 0.3], kl_coef=0.1)
