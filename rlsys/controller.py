@@ -249,6 +249,9 @@ class Controller:
         self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
         self.algorithm = build_algorithm(cfg)  # config errors surface before anything starts
         build_shaping(cfg.task.shaping)  # and those of task.shaping (make_task builds it again)
+        if cfg.task.shaping and cfg.reward.source != "rule":
+            raise ConfigError(f"config error: 'task.shaping' shapes the task's rule reward, but reward.source is "
+                              f"'{cfg.reward.source}' (its scores are not shaped): remove task.shaping or use reward.source=rule")
         self.step = 0
         self.evals: list[dict] = []
         self.attached = None  # the run's AttachedEvaluators, opened by run()

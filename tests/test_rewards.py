@@ -110,6 +110,15 @@ def test_a_bad_shaping_entry_fails_when_the_controller_is_built(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_shaping_a_judge_or_model_score_is_refused_not_ignored(tmp_path):
+    from rlsys.controller import Controller
+
+    cfg = load_config("configs/quickstart.yaml", ["task.shaping=[{repetition: {ngram: 2}}]", "reward.source=judge"])
+    with pytest.raises(ConfigError, match=r"^config error: 'task.shaping' shapes the task's rule reward, but reward.source "
+                                          r"is 'judge' \(its scores are not shaped\)"):
+        Controller(cfg, tmp_path / "run", progress=False)
+
+
 def test_make_task_and_reward_worker_apply_the_configured_shaping(tmp_path):
     """The reward actor class in-process (its Ray form is used by the integration test below)."""
     import pyarrow as pa
