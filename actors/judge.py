@@ -297,6 +297,14 @@ class JudgeWorker:
                 rewards[k] = r
         return rewards
 
+    def state(self) -> dict:
+        """What a checkpoint keeps: the call count that seeds the next sampling call (a resumed
+        sampling judge draws what the uninterrupted run would have)."""
+        return {"calls": self.calls}
+
+    def load_state(self, state: dict) -> None:
+        self.calls = int(state.get("calls", 0))
+
     def take_metrics(self) -> dict[str, float]:
         """judge/* rates over the judgements since the last call (the controller logs them per step)."""
         out = judgement_metrics(self._pairs, self._points)

@@ -33,6 +33,12 @@ class RewardWorker:
             self.reward_model = RewardModel(reward_model_dir)
             self.model = self.reward_model.model
 
+    def state(self) -> dict:  # rule and reward-model scores are deterministic: nothing to checkpoint
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
     def decode(self, table: pa.Table) -> list[str]:
         return self.tokenizer.batch_decode(table.column("response_ids").to_pylist(), skip_special_tokens=True)
 

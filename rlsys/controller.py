@@ -642,6 +642,7 @@ class Controller:
             "data_cursor": self.stream.state(),
             "controller_rng": self.ctx.rng.bit_generator.state,
             "buffer_rng": ray.get(self.buffer.rng_state.remote()),
+            "reward": ray.get(self.reward.state.remote()),  # a sampling judge's seed counter
             "algorithm": self.algorithm.state(),
             "evaluators": self.attached.specs() if self.attached else [],
             "metrics": {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float, np.number))},
@@ -676,6 +677,7 @@ class Controller:
             self.stream.load_state(state["data_cursor"])
             self.ctx.rng.bit_generator.state = state["controller_rng"]
             ray.get(self.buffer.set_rng_state.remote(state["buffer_rng"]))
+            ray.get(self.reward.load_state.remote(state.get("reward", {})))
             self.prefetched = ray.get(self.buffer.stats.remote())["size"] > 0  # overlap: rows saved with the checkpoint
             self.algorithm.load_state(state["algorithm"])
             self.restored_evaluators = state.get("evaluators", [])

@@ -4,7 +4,8 @@
     source: model  RewardWorker with a sequence-classification reward model (reward.model_dir)
     source: judge  JudgeWorker (actors/judge.py) on reward.judge_dir, or on the initial policy
 
-All three answer `score(table) -> list[float]`, the call `RolloutContext.score` makes, so
+All three answer `score(table) -> list[float]`, the call `RolloutContext.score` makes, and
+`state()` / `load_state(state)` for checkpoints (a sampling judge's seed counter), so
 every algorithm takes rewards from any of them unchanged (PILAF labels its pairs from the
 scores; with `judge.mode: pairwise` a pair's scores are the judge's both-order verdict).
 """

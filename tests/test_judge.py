@@ -194,6 +194,20 @@ def test_random_tiny_judge_verdicts_are_reported_unparsable(judge_dirs):
         judge.judge("q", ["a", "b", "c"])
 
 
+def test_a_sampling_judge_restored_from_its_state_draws_what_the_uninterrupted_one_would(judge_dirs):
+    random_dir, _ = judge_dirs
+    options = {"temperature": 1.0, "seed": 3}
+    judge = JudgeWorker(str(random_dir), options=options)
+    texts = ["2+3=", "1+1=", "4+4="]
+    first = judge.complete(texts, 12)
+    state = judge.state()  # what a checkpoint after this step keeps
+    second = judge.complete(texts, 12)
+    assert second != first  # each call draws with its own seed
+    resumed = JudgeWorker(str(random_dir), options=options)
+    resumed.load_state(state)
+    assert resumed.complete(texts, 12) == second
+
+
 def test_fit_to_context_drops_the_middle():
     ids = list(range(10))
     assert fit_to_context(ids, 10) == ids and fit_to_context(ids, 4) == [0, 1, 8, 9]
