@@ -444,15 +444,20 @@ class Bench:
             def on_step_end(self, *a, **k):
                 theirs.append(time.perf_counter() - self.t)
                 threads.add(torch.get_num_threads())
+                # a step's time includes the weight sync it sent (settled here, not during TRL's step)
+                start = time.perf_counter()
                 m = c.train_step()
-                ours.append(m["time/step"])
+                c.ctx.settle_sync()
+                ours.append(time.perf_counter() - start)
                 lengths.append(m["response_length"])
                 rewards.append(m["reward/mean"])
                 for key, v in m.items():
                     if key.startswith("time/") and key != "time/step":
                         phases[key[5:]] = phases.get(key[5:], 0.0) + v
+                start = time.perf_counter()
                 m = over.train_step()
-                overlapped.append(m["time/step"])
+                over.ctx.settle_sync()
+                overlapped.append(time.perf_counter() - start)
                 over_rewards.append(m["reward/mean"])
 
         task, tok = c.task, c.tokenizer
