@@ -249,8 +249,9 @@ class Learner:
     # ---- trainer.weight_sync=shared_memory (actors/shared_weights.py) ----------------------------
     def share_weights(self, policy: str, required_free: float = 1.25):
         """Rank 0 creates the policy's shared-memory weights file (two slots of the policy's
-        tensors, in its dtype: a bf16 learner's file is half an fp32 one) and returns its SharedLayout, or a one-line reason it cannot: /dev/shm lacks
-        `required_free` x the file's size. Collective under ZeRO-3 (returns None on other ranks)."""
+        tensors in its dtype: a bf16 learner's file is half an fp32 one's) and returns its
+        SharedLayout, or a one-line reason it cannot: /dev/shm lacks `required_free` x the
+        file's size. Collective under ZeRO-3 (returns None on other ranks)."""
         from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
 
         with self._full_policy() as policy_module:

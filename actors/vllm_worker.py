@@ -34,7 +34,8 @@ def arrays_from_payload(payload) -> list[tuple[str, np.ndarray | torch.Tensor]]:
         if dtype == BF16:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # a read-only buffer, only read
-                out.append((name, torch.from_numpy(np.frombuffer(data, dtype=np.int16)).view(torch.bfloat16).reshape(shape)))
+                bits = torch.from_numpy(np.frombuffer(data, dtype=np.int16))
+                out.append((name, bits.view(torch.bfloat16).reshape(shape)))
         else:
             out.append((name, np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)))
     return out

@@ -78,11 +78,12 @@ class Algorithm(Protocol):
     def state(self) -> dict: ...
     def load_state(self, state: dict) -> None: ...
     # Optional hooks the controller looks for: warmup_task, teacher_dir, restarts_policy,
-    # prepare_metrics, allows_overlap, `evaluate(ctx, prompts, params) -> {"accuracy": ..., ...}`
-    # (held-out metrics measured the algorithm's way, e.g. RLEF's multi-turn 1@3), and for an algorithm that trains several policies
-    # (CDG's per-role models) `policy_names` (the run's policy first; each gets its own
-    # rollout worker and learner) with `split_by_policy(table) -> {name: rows}`. `prepare`
-    # then runs once per policy's rows; `generate(requests, policy=name)` samples from one.
+    # prepare_metrics, allows_overlap, `evaluate(ctx, prompts, params) -> {"accuracy": ...}`
+    # (held-out metrics measured the algorithm's way, e.g. RLEF's multi-turn 1@3), and for an
+    # algorithm that trains several policies (CDG's per-role models) `policy_names` (the run's
+    # policy first; each gets its own rollout worker and learner) with
+    # `split_by_policy(table) -> {name: rows}`. `prepare` then runs once per policy's rows;
+    # `generate(requests, policy=name)` samples from one.
     # The learner looks for `gradient_rows(batch) -> bool[B]`: rows whose loss term has no
     # gradient are left out of the forward and backward (the loss must be a token mean over
     # `response_mask`: the learner rescales it to the whole minibatch's tokens).

@@ -98,6 +98,7 @@ class TokenTurns:
 
     def __init__(self, ctx, prompts, episodes, params):
         self.ctx, self.prompts, self.episodes, self.params = ctx, prompts, episodes, params
+
         def per_episode():
             return [[] for _ in episodes]
 

@@ -428,7 +428,8 @@ class Bench:
         c.start_actors(policy_dir)
         # the same policy, generating step t+1's rows while the learner trains on step t's
         over = Controller(load_config(QUICKSTART, [*common, "run.name=e2e-overlap", f"model.path={policy_dir}", "sft.steps=0",
-                                                   "trainer.overlap_rollout=true", "buffer.max_staleness=1"]), run_dir.parent / "e2e-overlap", progress=False)
+                                                   "trainer.overlap_rollout=true", "buffer.max_staleness=1"]),
+                          run_dir.parent / "e2e-overlap", progress=False)
         over.start_actors(over.prepare_policy())
         start_accuracy = c.evaluate(greedy=True)["accuracy"]
         cfg = c.cfg

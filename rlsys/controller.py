@@ -251,7 +251,8 @@ class Controller:
         build_shaping(cfg.task.shaping)  # and those of task.shaping (make_task builds it again)
         if cfg.task.shaping and cfg.reward.source != "rule":
             raise ConfigError(f"config error: 'task.shaping' shapes the task's rule reward, but reward.source is "
-                              f"'{cfg.reward.source}' (its scores are not shaped): remove task.shaping or use reward.source=rule")
+                              f"'{cfg.reward.source}' (its scores are not shaped): remove task.shaping or use "
+                              f"reward.source=rule")
         self.step = 0
         self.evals: list[dict] = []
         self.attached = None  # the run's AttachedEvaluators, opened by run()

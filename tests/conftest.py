@@ -9,11 +9,27 @@ ROOT = Path(__file__).resolve().parents[1]
 os.chdir(ROOT)  # configs/ paths in tests are relative to the repo root
 
 
+RAY_TEMP = Path("/tmp") / f"rlsys-test-ray-{os.getpid()}"
+
+
+def _ray_auth_before_any_import() -> None:
+    """Ray reads its auth settings when first imported, and a test module may import it (e.g.
+    through rlsys.controller) before the first test that starts the cluster: set them now."""
+    from rlsys.cluster import ray_env_for_local
+
+    RAY_TEMP.mkdir(parents=True, exist_ok=True)
+    for k, v in ray_env_for_local(RAY_TEMP).items():
+        os.environ.setdefault(k, v)
+
+
+_ray_auth_before_any_import()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     from rlsys.cluster import init_ray
 
-    init_ray(num_cpus=4, temp_dir=str(Path("/tmp") / f"rlsys-test-ray-{os.getpid()}"))
+    init_ray(num_cpus=4, temp_dir=str(RAY_TEMP))
     import ray
 
     yield ray

@@ -211,8 +211,7 @@ class ScriptedWorkers:
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]], backend):
         self.tokenizer, self.scripts, self.backend, self.sandbox = tokenizer, scripts, backend, backend
-        self.task = type("Task", (), {"episode": staticmethod(lambda row, max_turns, uid="", feedback_chars=500:
-                                                                CodeEpisode(row, max_turns, uid=uid, feedback_chars=feedback_chars))})
+        self.task = self  # ctx.task.episode: the code task's
         self.asked: dict[str, int] = {}
         self.script_ids = {p: tokenizer(p)["input_ids"] for p in scripts}
 
@@ -226,6 +225,9 @@ class ScriptedWorkers:
             ids = self.tokenizer(self.scripts[prompt][k], add_special_tokens=False)["input_ids"]
             out.append(Generation(i, list(r.prompt_ids), ids, [0.0] * len(ids), "stop"))
         return out
+
+    def episode(self, row, max_turns, uid="", feedback_chars=500):
+        return CodeEpisode(row, max_turns, uid=uid, feedback_chars=feedback_chars)
 
     def execute(self, requests):
         return [self.backend.run(r) for r in requests]
