@@ -85,7 +85,7 @@ class TrainBatch:
         tensor goes through torch.save's bytes per storage (~0.9 ms more per learner call for a
         64-row batch). Tensors numpy cannot hold (bf16, CUDA, with grad) stay tensors."""
         wire = self._map(_to_wire)
-        return _batch_from_wire, ({f.name: getattr(wire, f.name) for f in fields(self)},)
+        return _batch_from_wire, (type(self), {f.name: getattr(wire, f.name) for f in fields(self)})
 
 
 def _to_wire(t):
@@ -94,9 +94,9 @@ def _to_wire(t):
     return t.numpy()
 
 
-def _batch_from_wire(values: dict) -> TrainBatch:
+def _batch_from_wire(cls: type, values: dict) -> TrainBatch:
     # a copy: Ray hands out read-only views of its buffers, and the learner may write into a batch
-    return TrainBatch(**values)._map(lambda a: torch.from_numpy(np.array(a)) if isinstance(a, np.ndarray) else a)
+    return cls(**values)._map(lambda a: torch.from_numpy(np.array(a)) if isinstance(a, np.ndarray) else a)
 
 
 def rows_into(shape: tuple[int, int], starts: np.ndarray, values: list, dtype, fill=0) -> np.ndarray:

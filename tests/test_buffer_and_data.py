@@ -99,6 +99,10 @@ def test_a_train_batch_travels_as_pickle5_buffers_and_arrives_writable():
     assert got.ref_logprobs is None
     got.advantages.add_(1.0)  # the learner may write into its batch: a copy, not the sender's read-only buffer
     assert torch.equal(got.advantages, b.advantages + 1.0)
+    from algorithms.pilaf import GroupedBatch  # a subclass with its own fields comes back as itself
+
+    grouped = pickle.loads(pickle.dumps(GroupedBatch.of(b, 2), protocol=5))
+    assert type(grouped) is GroupedBatch and grouped.group_size == 2 and torch.equal(grouped.input_ids, b.input_ids)
 
 
 def test_arithmetic_task_splits_are_disjoint_and_read_back(tmp_path):
