@@ -30,7 +30,17 @@ SHM_DIR = Path("/dev/shm")
 SLOTS = 2
 ALIGN = 64
 BF16 = "bfloat16"  # a layout's dtype string for bf16 (every other dtype: numpy's, e.g. "<f4")
+BF16_BITS = np.int16  # numpy has no bfloat16: its 2-byte values travel and are mapped as these
 _NAME = re.compile(r"^rlsys-weights-(\d+)-")
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy()
+
+
+def bf16_from_bits(bits: np.ndarray) -> torch.Tensor:
+    """The bf16 tensor whose 2-byte values `bits` holds (a view, no copy)."""
+    return torch.from_numpy(bits).view(torch.bfloat16)
 
 
 def layout_dtype(t: torch.Tensor | np.ndarray) -> str:
@@ -127,11 +137,11 @@ class SharedWeights:
         base = slot * self.layout.slot_bytes
         out = {}
         for name, shape, dtype, offset in self.layout.entries:
-            dt = np.dtype(np.uint16 if dtype == BF16 else dtype)
+            dt = np.dtype(BF16_BITS if dtype == BF16 else dtype)
             count = int(np.prod(shape, dtype=np.int64))
             start = base + offset
             view = self.buffer[start : start + count * dt.itemsize].view(dt).reshape(shape)
-            out[name] = torch.from_numpy(view).view(torch.bfloat16) if dtype == BF16 else view
+            out[name] = bf16_from_bits(view) if dtype == BF16 else view
         return out
 
     def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -183,12 +183,12 @@ def weight_payload(items: Sequence[tuple[str, Any]]) -> list[tuple[str, str, lis
     shared-memory slot) go as dtype "bfloat16" with their 2-byte values."""
     import torch
 
-    from actors.shared_weights import BF16
+    from actors.shared_weights import BF16, bf16_bits
 
     out = []
     for name, a in items:
         if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16:
-            out.append((name, BF16, list(a.shape), a.contiguous().view(torch.int16).numpy().tobytes()))
+            out.append((name, BF16, list(a.shape), bf16_bits(a).tobytes()))
         else:
             out.append((name, np.asarray(a).dtype.str, list(np.shape(a)), np.ascontiguousarray(a).tobytes()))
     return out

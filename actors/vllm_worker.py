@@ -27,15 +27,14 @@ def engine_tensor(array, dtype: torch.dtype, device) -> torch.Tensor:
 def arrays_from_payload(payload) -> list[tuple[str, np.ndarray | torch.Tensor]]:
     """The inverse of actors.vllm_backend.weight_payload: (name, dtype, shape, bytes) -> (name,
     array), bf16 entries as torch tensors (numpy has no bfloat16)."""
-    from actors.shared_weights import BF16
+    from actors.shared_weights import BF16, BF16_BITS, bf16_from_bits
 
     out = []
     for name, dtype, shape, data in payload:
         if dtype == BF16:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # a read-only buffer, only read
-                bits = torch.from_numpy(np.frombuffer(data, dtype=np.int16))
-                out.append((name, bits.view(torch.bfloat16).reshape(shape)))
+                out.append((name, bf16_from_bits(np.frombuffer(data, dtype=BF16_BITS)).reshape(shape)))
         else:
             out.append((name, np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)))
     return out

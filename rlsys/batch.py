@@ -45,13 +45,12 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
     def _map(self, fn) -> "TrainBatch":
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "extras":
-                out[f.name] = {k: fn(t) if isinstance(t, (torch.Tensor, np.ndarray)) else t for k, t in v.items()}
-            else:
-                out[f.name] = fn(v) if isinstance(v, (torch.Tensor, np.ndarray)) else v
+        """`fn` on every tensor (numpy arrays too: a batch's pickled form holds them), extras included."""
+        def apply(v):
+            return fn(v) if isinstance(v, (torch.Tensor, np.ndarray)) else v
+
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {k: {n: apply(t) for n, t in v.items()} if k == "extras" else apply(v) for k, v in out.items()}
         return replace(self, **out)
 
     def select(self, index) -> "TrainBatch":
