@@ -103,7 +103,7 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
 
     algo.begin_epoch = traced_epoch
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr)
-    steps = schedule_steps(args.num_train, args.epochs, args.batch, schedule)
+    steps = schedule_steps(len(algo.data(ctx)[0]), args.epochs, args.batch, schedule)
     decay = (lambda s: 0.5 * (1 + math.cos(math.pi * s / steps))) if args.lr_schedule == "cosine" else (lambda s: 1.0)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)  # the paper: AdamW, cosine decay over the run
     curve, samples = [(0, *heldout_loss(heldout, ctx, heldout_batch))], 0
@@ -226,6 +226,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="dakd-bench-"))
     task = ArithmeticTask.create(root / "data", args.num_train, args.num_eval, 0, args.max_value, ["+"], args.seed)
+    args.num_train = len(task.rows("train"))  # fewer when the problem space is smaller than asked for
     if args.easy_fraction:
         task = with_easy_rows(task, root / "mixed", args.easy_fraction, args.seed)
     tok = train_tokenizer(task.corpus(), 512)
