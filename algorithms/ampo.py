@@ -26,7 +26,7 @@ import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, register
+from algorithms.base import AlgorithmConfig, ModelOutputs, register, set_rewards
 from algorithms.pilaf import GroupedBatch
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, new_uid
@@ -138,8 +138,7 @@ class AMPO:
                      embedding=g.embedding, meta={**prompts[g.request_index].meta, "finish_reason": g.finish_reason})
                 for g in ctx.generate(requests)]
         table = make_experience(rows, extra_schema=EMBEDDING)
-        return table.set_column(table.schema.get_field_index("reward"), "reward",
-                                pa.array(ctx.score(table), type=pa.float32()))
+        return set_rewards(table, ctx.score(table))
 
     def select(self, embeddings: np.ndarray, rewards: np.ndarray) -> list[int]:
         """[positive, K-1 negatives] of one prompt's N responses (negatives from the other N-1)."""

@@ -62,6 +62,7 @@ class RolloutContext(Protocol):
     def generate_each(self, requests_by_policy: dict[str, Sequence[GenerationRequest]]) -> dict[str, list[Generation]]: ...
     def score(self, table: pa.Table) -> list[float]: ...
     def ref_logprobs(self, table: pa.Table) -> list[list[float]]: ...
+    # optional: score_and_ref_logprobs(table) -> (rewards, ref logprobs), both actors at once
     def values(self, table: pa.Table) -> list[list[float]]: ...
     def anchor_reference(self) -> None: ...  # the reference becomes the current policy (BRiTE's theta_t)
     def next_seed(self) -> int: ...
@@ -187,12 +188,21 @@ def sample_groups(ctx: RolloutContext, prompts: Sequence[Prompt], n: int, with_r
             )
         )
     table = make_experience(rows)
-    table = table.set_column(
-        table.schema.get_field_index("reward"), "reward", pa.array(ctx.score(table), type=pa.float32())
-    )
-    if with_ref:
-        table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
-    return table
+    if not with_ref:
+        return set_rewards(table, ctx.score(table))
+    rewards, ref_logprobs = score_and_ref_logprobs(ctx, table)
+    return set_token_column(set_rewards(table, rewards), "ref_logprobs", ref_logprobs)
+
+
+def score_and_ref_logprobs(ctx: RolloutContext, table: pa.Table) -> tuple[list[float], list[list[float]]]:
+    """`ctx.score(table)` and `ctx.ref_logprobs(table)`; the reward and reference workers answer
+    at once where the context can ask both together (the controller's `score_and_ref_logprobs`)."""
+    both = getattr(ctx, "score_and_ref_logprobs", None)
+    return both(table) if both is not None else (ctx.score(table), ctx.ref_logprobs(table))
+
+
+def set_rewards(table: pa.Table, rewards: Sequence[float]) -> pa.Table:
+    return table.set_column(table.schema.get_field_index("reward"), "reward", pa.array(rewards, type=pa.float32()))
 
 
 def set_token_column(table: pa.Table, name: str, values: Sequence[Sequence[float]]) -> pa.Table:

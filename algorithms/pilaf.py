@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, set_token_column
+from algorithms.base import (AlgorithmConfig, ModelOutputs, StatelessMixin, register, score_and_ref_logprobs, set_rewards,
+                             set_token_column)
 from algorithms.common import masked_sum
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
@@ -113,9 +114,9 @@ class PILAF(StatelessMixin):
                              logprobs=g.logprobs, reward=0.0, policy_version=g.policy_version,
                              meta={**prompts[i].meta, "finish_reason": g.finish_reason, "sampler": sampler}))
         table = make_experience(rows)
-        rewards = np.asarray(ctx.score(table), dtype=np.float64)
-        table = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array(rewards, type=pa.float32()))
-        table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
+        rewards, ref_logprobs = score_and_ref_logprobs(ctx, table)
+        table = set_token_column(set_rewards(table, rewards), "ref_logprobs", ref_logprobs)
+        rewards = np.asarray(rewards, dtype=np.float64)
         a_wins, decisive = label_pairs(rewards[0::2], rewards[1::2], c.labels, np.random.default_rng(ctx.next_seed()))
         metas = meta_of(table)
         for k, (win, dec) in enumerate(zip(a_wins, decisive)):

@@ -28,7 +28,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, sample_groups, set_token_column
+from algorithms.base import (AlgorithmConfig, ModelOutputs, StatelessMixin, register, sample_groups, set_rewards,
+                             set_token_column)
 from algorithms.common import clipped_policy_loss_with_kl, masked_whiten, rows_with_gradient
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
@@ -150,7 +151,7 @@ class VinePPO(StatelessMixin):
         table = set_token_column(table, "advantages", advantages)
         table = set_token_column(table, "values", [per_token(v, e) for v, e in zip(step_values, ends)])
         metas = [{**m, "step_ends": e, "step_values": v} for m, e, v in zip(metas, ends, step_values)]
-        table = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array(rewards, type=pa.float32()))
+        table = set_rewards(table, rewards)
         return table.set_column(table.schema.get_field_index("meta"), "meta", pa.array([json.dumps(m) for m in metas]))
 
     def mc_returns(self, ctx, state_meta: dict) -> dict:

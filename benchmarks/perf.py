@@ -231,6 +231,28 @@ class Bench:
             t_ours, t_plain = paired(lambda: worker.score(table), lambda: plain(table), self.reps)
             self.add(f"reward-model scores ms (32 prompts x 8, {self.prompt_share(table)})", f"{t_ours * 1e3:.1f}",
                      f"{t_plain * 1e3:.1f}", t_ours / t_plain, "(time: < 1x is faster)")
+        self.reward_and_reference(rm_dir)
+
+    def reward_and_reference(self, rm_dir: Path):
+        """The controller asking the reward-model and reference actors for one step's table at once
+        (`score_and_ref_logprobs`, what `sample_groups` calls) vs one after the other."""
+        import ray
+
+        from actors.reference import ReferenceWorker
+        from actors.reward import RewardWorker
+        from rlsys.controller import ActorContext, PolicyActors
+
+        reward = ray.remote(RewardWorker).options(num_cpus=0.25).remote(self.policy_dir, reward_model_dir=str(rm_dir))
+        reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(self.policy_dir)
+        ctx = ActorContext(self.cfg, self.tok, self.task, {"policy": PolicyActors([], [])}, reference, reward, 0)
+        table = self.step_table()
+        together, apart = paired(lambda: ctx.score_and_ref_logprobs(table),
+                                 lambda: (ctx.score(table), ctx.ref_logprobs(table)), self.reps)
+        self.add("reward model + reference logprobs ms, one step's table (32 prompts x 8), both actors at once vs "
+                 "one after the other", f"{together * 1e3:.1f}", f"{apart * 1e3:.1f}", together / apart,
+                 "(time: < 1x is faster)")
+        for a in (reward, reference):
+            ray.kill(a)
 
     @staticmethod
     def prompt_share(table) -> str:

@@ -182,6 +182,17 @@ class ActorContext:
         with self.timed("reference"):
             return ray.get(self.reference.logprobs.remote(table))
 
+    def score_and_ref_logprobs(self, table):
+        """`score` and `ref_logprobs` of one table, the reward and reference workers working at
+        once; each phase's time runs from the common start to its own answer (they overlap)."""
+        start = time.perf_counter()
+        rewards, ref_logprobs = self.reward.score.remote(table), self.reference.logprobs.remote(table)
+        rewards = ray.get(rewards)
+        self.timings["reward"] += time.perf_counter() - start
+        ref_logprobs = ray.get(ref_logprobs)
+        self.timings["reference"] += time.perf_counter() - start
+        return rewards, ref_logprobs
+
     def anchor_reference(self) -> None:
         """Load the learner's current weights into the reference worker: the KL anchor becomes
         the current policy (BRiTE's P(.|x, theta_t)) until the next call; checkpoints keep it."""

@@ -195,6 +195,11 @@ def test_two_grpo_steps_with_rewards_from_the_reward_model(ray_cluster, tmp_path
     direct = RewardModel(str(trained_rm)).score_texts([p for p, _ in pairs], [r for _, r in pairs])
     assert np.allclose(from_run, direct, atol=1e-5)
     assert any(abs(x - round(x)) > 1e-3 for x in from_run)  # real-valued scores, not the 0/1 rule reward
+    # a GRPO step asks the reward model and the reference together: the same answers as one at a time
+    together = controller.ctx.score_and_ref_logprobs(table)
+    assert np.allclose(together[0], from_run, atol=1e-6)
+    assert np.allclose(np.concatenate(together[1]), np.concatenate(controller.ctx.ref_logprobs(table)), atol=1e-6)
+    assert all(row["time/reward"] > 0 and row["time/reference"] > 0 for row in rows)
 
 
 def test_reward_scores_of_sequences_sharing_a_prompt_match_the_plain_forward():
