@@ -1,10 +1,21 @@
 # The test runner. Runs INSIDE the sandbox (standard library only) as
 # `python3 _rlsys_runner.py`. It loads the tests and the report nonce, deletes their file
-# so the program can read neither, runs the program once, then every assert-style test in
-# its namespace and every stdin/stdout case as a child process. One JSON line per test,
-# prefixed by NONCE, goes to a private copy of stdout. A test that never reports (the
+# so the program can read neither, runs every stdin/stdout case as a child process, then
+# runs the program once and every assert-style test in its namespace. One JSON line per
+# test, prefixed by NONCE, goes to a private copy of stdout. A test that never reports (the
 # program called os._exit, timed out, ...) counts as failed on the host.
+#
+# What the program may have changed before its tests run is undone or cannot matter: the io
+# cases ran before it; the builtins are restored (a patched exec, abs or AssertionError) and its
+# namespace gets a copy of them (a patch made while a test runs reaches neither the test nor
+# this runner); `report` holds its own os.write and json.dumps. Comparisons and truth tests in
+# an assert refuse objects of classes the program defined (an always-equal result does not
+# pass; the host routes them through `guarded_compare` / `guarded_truth`). A program that walks
+# the interpreter's frames to this runner's globals is not stopped: that needs the tests in a
+# process the program never ran in.
+import builtins
 import json
+import operator
 import os
 import sys
 import time
@@ -18,18 +29,27 @@ with open(TESTS_FILE) as f:
 os.unlink(TESTS_FILE)
 sys.argv = ["main.py"]
 MAX_REPR = 300
+CLEAN_BUILTINS = dict(vars(builtins))
 
 
-def reporter(nonce, out):
+def reporter(nonce, out, write=os.write, dumps=json.dumps):
     """`report(name, passed, message)`; the nonce and the private stdout copy (it survives
     the program closing or redirecting fd 1) live only in this closure, not in a global."""
     def report(name, passed, message=""):
-        line = "%s %s\n" % (nonce, json.dumps({"name": name, "passed": passed, "message": message[-2000:]}))
-        os.write(out, line.encode())
+        line = "%s %s\n" % (nonce, dumps({"name": name, "passed": passed is True, "message": message[-2000:]}))
+        write(out, line.encode())
     return report
 
 
 report = reporter(spec.pop("nonce"), os.dup(1))
+
+
+def restore_builtins():
+    """The builtins module as it was before the program ran."""
+    current = vars(builtins)
+    for name in set(current) - set(CLEAN_BUILTINS):
+        del current[name]
+    current.update(CLEAN_BUILTINS)
 
 
 def short(value):
@@ -60,47 +80,78 @@ def error_tail(exc, filename):
             if isinstance(cmp, ast.Compare) and len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq):
                 got = eval(ast.unparse(cmp.left), frame.f_globals, frame.f_locals)
                 want = eval(ast.unparse(cmp.comparators[0]), frame.f_globals, frame.f_locals)
-                return "%s\nexpected %s, got %s" % (where, short(want), short(got))
+                why = "\n" + head if exc.args else ""  # the guard's reason
+                return "%s\nexpected %s, got %s%s" % (where, short(want), short(got), why)
         except Exception:  # noqa: BLE001 - the plain message is still useful
             pass
     return "%s\n%s" % (where, head)
 
 
+PROGRAM_CLASSES = {}
+
+
+def program_class(cls):
+    """Whether a method of `cls` (or of a base) was written by the program: code compiled
+    from outside the interpreter's own library that is not a test's."""
+    if cls not in PROGRAM_CLASSES:
+        library = (sys.prefix, sys.base_prefix, sys.exec_prefix)
+        found = False
+        for klass in cls.__mro__:
+            for attr in list(vars(klass).values()):
+                code = getattr(attr, "__code__", None) or getattr(getattr(attr, "__func__", None), "__code__", None)
+                filename = getattr(code, "co_filename", None)
+                if not isinstance(filename, str) or filename.startswith(("<test ", "<frozen ")):
+                    continue
+                if filename.startswith("<") or not os.path.abspath(filename).startswith(library):
+                    found = True  # main.py, a module it wrote, or source it exec'd
+        PROGRAM_CLASSES[cls] = found
+    return PROGRAM_CLASSES[cls]
+
+
+def from_program(value):
+    """The class with methods the program wrote of `value`, or of an object it holds in a
+    list, tuple, set or dict; None when there is none."""
+    cls = type(value)
+    if cls in (list, tuple, set, frozenset):
+        return next((c for c in map(from_program, value) if c is not None), None)
+    if cls is dict:
+        return next((c for c in map(from_program, (x for kv in value.items() for x in kv)) if c is not None), None)
+    return cls if program_class(cls) else None
+
+
+def refuse(cls):
+    raise AssertionError("an object of the program's class %s stands where a plain value is expected: its own "
+                         "comparison or truth value is not trusted" % cls.__name__)
+
+
+def guarded_compare(ops, *operands):
+    """`operands[0] ops[0] operands[1] ...` as Python evaluates a chain (every operand already
+    evaluated), refusing a comparison between a program-made object and a value that is not."""
+    table = {"Eq": operator.eq, "NotEq": operator.ne, "Lt": operator.lt, "LtE": operator.le, "Gt": operator.gt,
+             "GtE": operator.ge, "Is": operator.is_, "IsNot": operator.is_not,
+             "In": lambda a, b: operator.contains(b, a), "NotIn": lambda a, b: not operator.contains(b, a)}
+    result = True
+    for op, a, b in zip(ops, operands, operands[1:]):
+        if op not in ("Is", "IsNot"):
+            a_ours, b_ours = from_program(a), from_program(b)
+            if (a_ours is None) != (b_ours is None):
+                refuse(a_ours or b_ours)
+        result = table[op](a, b)
+        if not result:
+            return result
+    return result
+
+
+def guarded_truth(value):
+    cls = from_program(value)
+    if cls is not None:
+        refuse(cls)
+    return value
+
+
 SOURCES = {}
 asserts = [t for t in spec["tests"] if t["kind"] == "assert"]
 ios = [t for t in spec["tests"] if t["kind"] == "io"]
-# The program gets a __main__ module of its own, not this runner's.
-main_module = types.ModuleType("__main__")
-main_module.__file__ = "main.py"
-sys.modules["__main__"] = main_module
-namespace = main_module.__dict__
-program_error = None
-if asserts:
-    try:
-        with open("main.py", "rb") as f:
-            exec(compile(f.read(), "main.py", "exec"), namespace)
-    except BaseException as e:  # noqa: BLE001 - SystemExit too: the tests still run
-        if not isinstance(e, SystemExit) or e.code not in (None, 0):
-            import traceback
-
-            program_error = "the program raised before the tests: " + traceback.format_exception_only(type(e), e)[-1].strip()
-for i, t in enumerate(asserts):
-    name = t["name"] or "test_%d" % i
-    if program_error:
-        report(name, False, program_error)
-        continue
-    filename = "<test %s>" % name
-    SOURCES[filename] = t["code"].splitlines()
-    try:
-        exec(compile(t["code"], filename, "exec"), namespace)
-        report(name, True)
-    except BaseException as e:  # noqa: BLE001 - a test that exits or is interrupted fails
-        try:
-            message = error_tail(e, filename)
-        except BaseException:  # noqa: BLE001 - e.g. out of memory while formatting
-            message = type(e).__name__
-        report(name, False, message)
-
 if ios:
     import subprocess
 deadline = time.monotonic() + spec["wall_time_s"]
@@ -122,3 +173,51 @@ for i, t in enumerate(ios):
         report(name, False, "line %d: expected %s, got %s" % (n + 1, short(want[n] if n < len(want) else "<end of output>"), short(have[n] if n < len(have) else "<end of output>")))
     else:
         report(name, True)
+
+# Every assert test compiled before the program runs (its code guarded by the host:
+# harness.guarded_source; its source kept for messages), so nothing the program does reaches that.
+compiled = []
+for i, t in enumerate(asserts):
+    filename = "<test %s>" % (t["name"] or "test_%d" % i)
+    SOURCES[filename] = t["source"].splitlines()
+    try:
+        compiled.append(compile(t["code"], filename, "exec"))
+    except BaseException as e:  # noqa: BLE001 - a test that does not compile fails, alone
+        compiled.append("the test does not compile: %s: %s" % (type(e).__name__, e))
+
+# The program gets a __main__ module of its own, not this runner's.
+main_module = types.ModuleType("__main__")
+main_module.__file__ = "main.py"
+sys.modules["__main__"] = main_module
+namespace = main_module.__dict__
+program_error = None
+if asserts:
+    try:
+        with open("main.py", "rb") as f:
+            exec(compile(f.read(), "main.py", "exec"), namespace)
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: the tests still run
+        if not isinstance(e, SystemExit) or e.code not in (None, 0):
+            import traceback
+
+            program_error = "the program raised before the tests: " + traceback.format_exception_only(type(e), e)[-1].strip()
+    restore_builtins()
+    namespace["__builtins__"] = dict(CLEAN_BUILTINS)
+    namespace["__rlsys_compare__"], namespace["__rlsys_truth__"] = guarded_compare, guarded_truth
+for i, (t, code) in enumerate(zip(asserts, compiled)):
+    name = t["name"] or "test_%d" % i
+    if program_error or isinstance(code, str):
+        report(name, False, program_error or code)
+        continue
+    filename = "<test %s>" % name
+    try:
+        exec(code, namespace)
+        restore_builtins()
+        report(name, True)
+    except BaseException as e:  # noqa: BLE001 - a test that exits or is interrupted fails
+        try:
+            message = error_tail(e, filename)
+        except BaseException:  # noqa: BLE001 - e.g. out of memory while formatting
+            message = type(e).__name__
+        restore_builtins()
+        report(name, False, message)
+

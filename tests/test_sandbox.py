@@ -170,6 +170,60 @@ os._exit(0)
     assert res.status == "failed" and not res.tests[0].passed, res
 
 
+# A program a policy under RL could write to pass tests it does not solve; each must fail.
+REWARD_HACKS = {
+    "always_equal": ("class A:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+                     "def f(x):\n    return A()\n", ["assert f(1) == 2", "assert [f(1)] == [2]", "assert f(1) in (2,)"]),
+    "always_true": ("class T:\n    def __bool__(self):\n        return True\ndef f(x):\n    return T()\n",
+                    ["assert f(1)", "assert not not f(1)"]),
+    "int_that_equals_all": ("class I(int):\n    def __eq__(self, other):\n        return True\n"
+                            "def f(x):\n    return I(7)\n", ["assert f(1) == 2"]),
+    "exec_patched": ("import builtins\nbuiltins.exec = lambda *a, **k: None\ndef f(x):\n    return 0\n",
+                     ["assert f(1) == 2"]),
+    "abs_patched_in_a_call": ("import builtins\ndef f(x):\n    builtins.abs = lambda v: 0\n    return 5\n",
+                              ["f(1)\nassert abs(f(1) - 2) < 1e-6"]),
+    "report_rewritten": ("import os\nreal = os.write\n"
+                         "os.write = lambda fd, b: real(fd, b.replace(b'\"passed\": false', b'\"passed\": true'))\n"
+                         "def f(x):\n    return 0\n", ["assert f(1) == 2"]),
+}
+
+
+@pytest.mark.parametrize("hack", sorted(REWARD_HACKS))
+def test_reward_hacks_fail_their_tests(backend, hack):
+    code, tests = REWARD_HACKS[hack]
+    res = backend.run(ExecRequest(code, tests=[TestCase(code=t) for t in tests]))
+    assert res.status == "failed" and not any(t.passed for t in res.tests), res
+    if hack.startswith(("always", "int")):
+        assert all("object of the program's class" in t.message for t in res.tests), res
+
+
+def test_io_cases_run_before_the_program_can_patch_their_runner(backend):
+    """With assert tests too the program runs in the runner's process; a patched
+    subprocess.run that fakes the expected output must not reach the io cases."""
+    code = ("import subprocess\nclass Faked:\n    returncode, stdout, stderr = 0, b'3\\n', b''\n"
+            "subprocess.run = lambda *a, **k: Faked()\ndef f():\n    return 0\nprint(1)\n")
+    res = backend.run(ExecRequest(code, tests=[TestCase(name="a", code="assert f() == 0"),
+                                               TestCase(name="io", kind="io", expected_stdout="3\n")]))
+    got = {t.name: t.passed for t in res.tests}
+    assert got == {"a": True, "io": False}, res
+
+
+def test_guarded_asserts_keep_honest_programs_passing(backend):
+    """Program-defined classes compared with each other, numbers across types, chains,
+    membership, `is`, a test that does not compile, and the assert's own message."""
+    code = ("class P:\n    def __init__(self, x):\n        self.x = x\n"
+            "    def __eq__(self, other):\n        return isinstance(other, P) and other.x == self.x\n"
+            "def f(x):\n    return x * 2\n")
+    tests = ["assert P(1) == P(1) and not P(1) == P(2)", "assert f(2) == 4.0", "assert f([1]) == [1, 1]",
+             "assert f(2) in (4, 5) and f(2) not in (1,)", "assert 0 < f(1) < 3 and f(0) is not None",
+             "def check(candidate):\n    assert abs(candidate(0.25) - 0.5) < 1e-9\ncheck(f)",
+             "assert f(2) == 5, 'two doubled'", "assert f(2) ==", ]
+    res = backend.run(ExecRequest(code, tests=[TestCase(code=t) for t in tests]))
+    assert [t.passed for t in res.tests] == [True] * 6 + [False, False], res
+    assert "expected 5, got 4" in res.tests[6].message and "two doubled" in res.tests[6].message
+    assert "does not compile: SyntaxError" in res.tests[7].message
+
+
 # ---------------------------------------------------------------- HumanEval
 
 def run_all(name: str, requests, workers: int):
