@@ -1,5 +1,4 @@
 """AMPO properties (../shared/papers/ampo.md): selection and the group-contrastive loss."""
-import dataclasses
 import math
 
 import numpy as np
@@ -13,8 +12,10 @@ from algorithms.ampo import (
 from algorithms.base import ModelOutputs, Prompt
 from algorithms.pilaf import GroupedBatch
 from rlsys.config import ConfigError, validate_section
-from rlsys.generation import Generation, GenerationRequest, SamplingParams
+from rlsys.generation import GenerationRequest, SamplingParams
 from rlsys.models import TinyModelSpec, build_tiny_model
+
+from fakes import TwoTokenContext
 
 
 def test_one_positive_one_negative_is_the_pairwise_loss():
@@ -80,26 +81,10 @@ def test_optselect_cost_never_rises_and_ends_at_a_local_minimum():
             assert optselect_cost(d, w, chosen[:p] + [c] + chosen[p + 1:]) >= costs[-1] - 1e-9
 
 
-class SampleContext:
-    policy_version = 0
-    tokenizer = None
-    task = None
+class SampleContext(TwoTokenContext):
+    """Random two-token samples with 4-dim embeddings; a response's reward is its first token."""
 
-    def __init__(self):
-        self.rng = np.random.default_rng(0)
-        self.requests = []
-
-    def sampling(self, **overrides):
-        return dataclasses.replace(SamplingParams(max_new_tokens=3), **overrides)
-
-    def next_seed(self):
-        return int(self.rng.integers(2**31 - 1))
-
-    def generate(self, requests):
-        self.requests += requests
-        return [Generation(i, list(r.prompt_ids), [int(self.rng.integers(3, 9)), 2], [-1.0, -0.5], "stop",
-                           embedding=self.rng.standard_normal(4).tolist())
-                for i, r in enumerate(requests) for _ in range(r.params.n)]
+    embedding_dim = 4
 
     def score(self, table):
         return [float(r[0]) for r in table.column("response_ids").to_pylist()]

@@ -1,6 +1,5 @@
 """PILAF + online DPO properties (../shared/papers/pilaf.md): the interpolating sampler of the
 rollout backend and the DPO loss."""
-import dataclasses
 import math
 
 import numpy as np
@@ -12,8 +11,10 @@ from actors.rollout import HFBackend, ReferenceMixing
 from algorithms.base import ModelOutputs, Prompt
 from algorithms.pilaf import PILAF, GroupedBatch, dpo_loss, label_pairs
 from rlsys.experience import meta_of
-from rlsys.generation import Generation, GenerationRequest, Interpolation, SamplingParams, interpolated_logits
+from rlsys.generation import GenerationRequest, Interpolation, SamplingParams, interpolated_logits
 from rlsys.models import TinyModelSpec, build_tiny_model
+
+from fakes import TwoTokenContext
 
 SPEC = TinyModelSpec(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1)
@@ -134,27 +135,8 @@ def test_labels():
     assert decisive.all() and a_wins.mean() == pytest.approx(1 / (1 + math.exp(-1)), abs=0.015)
 
 
-class PairContext:
-    """Records the requests; a response's reward is its first token's parity."""
-
-    policy_version = 0
-    tokenizer = None
-    task = None
-
-    def __init__(self):
-        self.rng = np.random.default_rng(0)
-        self.requests = []
-
-    def sampling(self, **overrides):
-        return dataclasses.replace(SamplingParams(max_new_tokens=3), **overrides)
-
-    def next_seed(self):
-        return int(self.rng.integers(2**31 - 1))
-
-    def generate(self, requests):
-        self.requests += requests
-        return [Generation(i, list(r.prompt_ids), [int(self.rng.integers(3, 9)), 2], [-1.0, -0.5], "stop")
-                for i, r in enumerate(requests) for _ in range(r.params.n)]
+class PairContext(TwoTokenContext):
+    """Random two-token samples; a response's reward is its first token's parity."""
 
     def score(self, table):
         return [float(r[0] % 2) for r in table.column("response_ids").to_pylist()]

@@ -1,0 +1,33 @@
+"""Stand-ins for tests about an algorithm's own rollout logic, not about sampling (they say so)."""
+import dataclasses
+
+import numpy as np
+
+from rlsys.generation import Generation, SamplingParams
+
+
+class TwoTokenContext:
+    """A RolloutContext that records the requests and answers each sample with a random token
+    (3..8) then eos (2); `embedding_dim` > 0 adds a random embedding to every generation.
+    Subclasses give `score` (and `ref_logprobs` where the algorithm asks for them)."""
+
+    policy_version = 0
+    tokenizer = None
+    task = None
+    embedding_dim = 0
+
+    def __init__(self):
+        self.rng = np.random.default_rng(0)
+        self.requests = []
+
+    def sampling(self, **overrides):
+        return dataclasses.replace(SamplingParams(max_new_tokens=3), **overrides)
+
+    def next_seed(self):
+        return int(self.rng.integers(2**31 - 1))
+
+    def generate(self, requests):
+        self.requests += requests
+        return [Generation(i, list(r.prompt_ids), [int(self.rng.integers(3, 9)), 2], [-1.0, -0.5], "stop",
+                           embedding=self.rng.standard_normal(self.embedding_dim).tolist() if self.embedding_dim else None)
+                for i, r in enumerate(requests) for _ in range(r.params.n)]
