@@ -30,13 +30,18 @@ os.unlink(TESTS_FILE)
 sys.argv = ["main.py"]
 MAX_REPR = 300
 CLEAN_BUILTINS = dict(vars(builtins))
+LIBRARY = tuple(os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix))
+abspath = os.path.abspath  # taken before the program could replace it
+COMPARE = {"Eq": operator.eq, "NotEq": operator.ne, "Lt": operator.lt, "LtE": operator.le, "Gt": operator.gt,
+           "GtE": operator.ge, "Is": operator.is_, "IsNot": operator.is_not,
+           "In": lambda a, b: operator.contains(b, a), "NotIn": lambda a, b: not operator.contains(b, a)}
 
 
 def reporter(nonce, out, write=os.write, dumps=json.dumps):
     """`report(name, passed, message)`; the nonce and the private stdout copy (it survives
     the program closing or redirecting fd 1) live only in this closure, not in a global."""
     def report(name, passed, message=""):
-        line = "%s %s\n" % (nonce, dumps({"name": name, "passed": passed is True, "message": message[-2000:]}))
+        line = "%s %s\n" % (nonce, dumps({"name": name, "passed": passed, "message": message[-2000:]}))
         write(out, line.encode())
     return report
 
@@ -94,7 +99,6 @@ def program_class(cls):
     """Whether a method of `cls` (or of a base) was written by the program: code compiled
     from outside the interpreter's own library that is not a test's."""
     if cls not in PROGRAM_CLASSES:
-        library = (sys.prefix, sys.base_prefix, sys.exec_prefix)
         found = False
         for klass in cls.__mro__:
             for attr in list(vars(klass).values()):
@@ -102,7 +106,7 @@ def program_class(cls):
                 filename = getattr(code, "co_filename", None)
                 if not isinstance(filename, str) or filename.startswith(("<test ", "<frozen ")):
                     continue
-                if filename.startswith("<") or not os.path.abspath(filename).startswith(library):
+                if filename.startswith("<") or not abspath(filename).startswith(LIBRARY):
                     found = True  # main.py, a module it wrote, or source it exec'd
         PROGRAM_CLASSES[cls] = found
     return PROGRAM_CLASSES[cls]
@@ -127,16 +131,13 @@ def refuse(cls):
 def guarded_compare(ops, *operands):
     """`operands[0] ops[0] operands[1] ...` as Python evaluates a chain (every operand already
     evaluated), refusing a comparison between a program-made object and a value that is not."""
-    table = {"Eq": operator.eq, "NotEq": operator.ne, "Lt": operator.lt, "LtE": operator.le, "Gt": operator.gt,
-             "GtE": operator.ge, "Is": operator.is_, "IsNot": operator.is_not,
-             "In": lambda a, b: operator.contains(b, a), "NotIn": lambda a, b: not operator.contains(b, a)}
     result = True
     for op, a, b in zip(ops, operands, operands[1:]):
         if op not in ("Is", "IsNot"):
             a_ours, b_ours = from_program(a), from_program(b)
             if (a_ours is None) != (b_ours is None):
                 refuse(a_ours or b_ours)
-        result = table[op](a, b)
+        result = COMPARE[op](a, b)
         if not result:
             return result
     return result

@@ -44,11 +44,11 @@ def guarded_source(code: str) -> str:
             tree = ast.parse(code)
         except (SyntaxError, ValueError):
             return code
-        return _guarded(code, tree)
+        return _guard_asserts(code, tree)
 
 
-def _guarded(code: str, tree: ast.Module) -> str:
-
+def _guard_asserts(code: str, tree: ast.Module) -> str:
+    """`guarded_source` of parsed code: each assert's test expression replaced in place."""
     def guard(e: ast.expr) -> ast.expr:
         if isinstance(e, ast.BoolOp):
             return ast.BoolOp(e.op, [guard(v) for v in e.values])
@@ -59,7 +59,7 @@ def _guarded(code: str, tree: ast.Module) -> str:
             return ast.Call(ast.Name("__rlsys_compare__", ast.Load()), [ops, e.left, *e.comparators], [])
         return ast.Call(ast.Name("__rlsys_truth__", ast.Load()), [e], [])
 
-    lines = [line.encode() for line in code.splitlines(keepends=True)]  # ast offsets count UTF-8 bytes
+    lines = code.encode().splitlines(keepends=True)  # ast counts UTF-8 bytes, and lines as bytes split them
     tests = sorted((n.test for n in ast.walk(tree) if isinstance(n, ast.Assert)),
                    key=lambda e: (e.lineno, e.col_offset), reverse=True)  # from the end: offsets stay valid
     for e in tests:

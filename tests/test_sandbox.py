@@ -197,6 +197,23 @@ def test_reward_hacks_fail_their_tests(backend, hack):
         assert all("object of the program's class" in t.message for t in res.tests), res
 
 
+def test_guarded_source_keeps_every_line_where_it_was():
+    """The host-side rewrite (no engine needed): each assert's test becomes guard calls, and
+    every line of the test, a multi-line assert and a form feed in a string included, keeps its
+    number, so a failure names the test's own line."""
+    from sandbox.harness import guarded_source
+
+    code = ('def check(c):\n    assert (c(1) ==\n            2), "m"\n    x = "a\x0cb"\n'
+            '    assert not c(0) and 0 < c(1) <= 3\n    assert c(2)\ncheck(lambda v: v * 2)\n')
+    out = guarded_source(code)
+    assert len(out.splitlines()) == len(code.splitlines())
+    for before, after in zip(code.splitlines(), out.splitlines()):
+        assert after.lstrip().startswith("assert") == before.lstrip().startswith("assert")
+    assert "__rlsys_compare__(('Eq',), c(1), 2)" in out and "__rlsys_compare__(('Lt', 'LtE'), 0, c(1), 3)" in out
+    assert "not __rlsys_truth__(c(0))" in out and "__rlsys_truth__(c(2))" in out and 'x = "a\x0cb"' in out
+    assert guarded_source("assert f(") == "assert f("  # the runner reports what does not compile
+
+
 def test_io_cases_run_before_the_program_can_patch_their_runner(backend):
     """With assert tests too the program runs in the runner's process; a patched
     subprocess.run that fakes the expected output must not reach the io cases."""
