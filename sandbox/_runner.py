@@ -9,8 +9,8 @@
 # cases ran before it; the builtins are restored (a patched exec, abs or AssertionError) and its
 # namespace gets a copy of them (a patch made while a test runs reaches neither the test nor
 # this runner); `report` holds its own os.write and json.dumps. Comparisons and truth tests in
-# an assert refuse objects of classes the program defined (an always-equal result does not
-# pass; the host routes them through `guarded_compare` / `guarded_truth`). A program that walks
+# an assert refuse objects whose comparison or truth methods the program wrote (an always-equal
+# result does not pass; the host routes them through `guarded_compare` / `guarded_truth`). A program that walks
 # the interpreter's frames to this runner's globals is not stopped: that needs the tests in a
 # process the program never ran in.
 import builtins
@@ -95,13 +95,20 @@ def error_tail(exc, filename):
 PROGRAM_CLASSES = {}
 
 
+# What a comparison, a truth test or `in` asks of an object itself (a set or dict of them: hash).
+JUDGING = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__", "__contains__",
+           "__iter__", "__getitem__", "__hash__")
+
+
 def program_class(cls):
-    """Whether a method of `cls` (or of a base) was written by the program: code compiled
-    from outside the interpreter's own library that is not a test's."""
+    """Whether the program wrote one of `cls`'s JUDGING methods (or a base's): code compiled
+    from outside the interpreter's own library that is not a test's. A namedtuple or a class
+    that only adds methods keeps the builtin judgement and is not one."""
     if cls not in PROGRAM_CLASSES:
         found = False
         for klass in cls.__mro__:
-            for attr in list(vars(klass).values()):
+            for name in JUDGING:
+                attr = vars(klass).get(name)
                 code = getattr(attr, "__code__", None) or getattr(getattr(attr, "__func__", None), "__code__", None)
                 filename = getattr(code, "co_filename", None)
                 if not isinstance(filename, str) or filename.startswith(("<test ", "<frozen ")):

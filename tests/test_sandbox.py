@@ -226,12 +226,15 @@ def test_io_cases_run_before_the_program_can_patch_their_runner(backend):
 
 
 def test_guarded_asserts_keep_honest_programs_passing(backend):
-    """Program-defined classes compared with each other, numbers across types, chains,
-    membership, `is`, a test that does not compile, and the assert's own message."""
-    code = ("class P:\n    def __init__(self, x):\n        self.x = x\n"
+    """Program-defined classes compared with each other, a namedtuple and an int subclass that
+    keep the builtin comparison, numbers across types, chains, membership, `is`, a test that
+    does not compile, and the assert's own message."""
+    code = ("import collections\nclass P:\n    def __init__(self, x):\n        self.x = x\n"
             "    def __eq__(self, other):\n        return isinstance(other, P) and other.x == self.x\n"
+            "Pair = collections.namedtuple('Pair', 'a b')\nclass Num(int):\n    def double(self):\n        return self * 2\n"
             "def f(x):\n    return x * 2\n")
-    tests = ["assert P(1) == P(1) and not P(1) == P(2)", "assert f(2) == 4.0", "assert f([1]) == [1, 1]",
+    tests = ["assert P(1) == P(1) and not P(1) == P(2)", "assert f(2) == 4.0 and Pair(1, 2) == (1, 2) and Num(3) == 3",
+             "assert f([1]) == [1, 1]",
              "assert f(2) in (4, 5) and f(2) not in (1,)", "assert 0 < f(1) < 3 and f(0) is not None",
              "def check(candidate):\n    assert abs(candidate(0.25) - 0.5) < 1e-9\ncheck(f)",
              "assert f(2) == 5, 'two doubled'", "assert f(2) ==", ]
