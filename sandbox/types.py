@@ -28,9 +28,9 @@ class Limits:
 @dataclass
 class TestCase:
     """One test. `kind="assert"`: `code` runs after the program in its namespace and
-    passes when it raises nothing; an assert that compares an object of a class the program
-    wrote with a value it did not make, or takes such an object's truth, fails (an
-    always-equal result is not a pass). `kind="io"`: the program runs with `stdin` and passes
+    passes when it raises nothing; an assert that compares an object whose comparison (or
+    truth, membership, hash) methods the program wrote with a value it did not make, or takes
+    such an object's truth, fails (an always-equal result is not a pass). `kind="io"`: the program runs with `stdin` and passes
     when its stdout equals `expected_stdout` (trailing whitespace per line ignored)."""
 
     __test__ = False  # not a pytest class
