@@ -231,13 +231,17 @@ def test_guarded_asserts_keep_honest_programs_passing(backend):
     does not compile, and the assert's own message."""
     code = ("import collections\nclass P:\n    def __init__(self, x):\n        self.x = x\n"
             "    def __eq__(self, other):\n        return isinstance(other, P) and other.x == self.x\n"
-            "Pair = collections.namedtuple('Pair', 'a b')\nclass Num(int):\n    def double(self):\n        return self * 2\n"
+            "Pair = collections.namedtuple('Pair', 'a b')\n"
+            "class Num(int):\n    def double(self):\n        return self * 2\n"
             "def f(x):\n    return x * 2\n")
-    tests = ["assert P(1) == P(1) and not P(1) == P(2)", "assert f(2) == 4.0 and Pair(1, 2) == (1, 2) and Num(3) == 3",
+    tests = ["assert P(1) == P(1) and not P(1) == P(2)",
+             "assert f(2) == 4.0 and Pair(1, 2) == (1, 2) and Num(3) == 3",
              "assert f([1]) == [1, 1]",
-             "assert f(2) in (4, 5) and f(2) not in (1,)", "assert 0 < f(1) < 3 and f(0) is not None",
+             "assert f(2) in (4, 5) and f(2) not in (1,)",
+             "assert 0 < f(1) < 3 and f(0) is not None",
              "def check(candidate):\n    assert abs(candidate(0.25) - 0.5) < 1e-9\ncheck(f)",
-             "assert f(2) == 5, 'two doubled'", "assert f(2) ==", ]
+             "assert f(2) == 5, 'two doubled'",
+             "assert f(2) =="]
     res = backend.run(ExecRequest(code, tests=[TestCase(code=t) for t in tests]))
     assert [t.passed for t in res.tests] == [True] * 6 + [False, False], res
     assert "expected 5, got 4" in res.tests[6].message and "two doubled" in res.tests[6].message
