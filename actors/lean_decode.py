@@ -1,4 +1,4 @@
-"""A lean batched decode loop for Llama-family decoders (Qwen2, Llama): the rollout backend's
+"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama): the rollout backend's
 fast path in place of `model.generate` (issue 10).
 
 What it saves over `generate` on a small model (profiled on the quickstart's, batch 32):
@@ -24,19 +24,21 @@ import torch.nn.functional as F
 
 from rlsys.generation import interpolated_logits
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
 def supports_lean_decode(model) -> bool:
-    """A decoder whose layers are exactly: RMSNorm, q/k/v/o projections with rotary and
-    (grouped-query) softmax attention over the whole context, RMSNorm, SiLU-gated MLP."""
+    """A decoder whose layers are exactly: RMSNorm, q/k/v/o projections (Qwen3: an RMSNorm of
+    each query and key head) with rotary and (grouped-query) softmax attention over the whole
+    context, RMSNorm, SiLU-gated MLP."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
     if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "hidden_act", None) != "silu":
         return False
     layer = model.model.layers[0]
-    return all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) and \
+    head_norms = ("q_norm", "k_norm") if cfg.model_type == "qwen3" else ()
+    return all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", *head_norms)) and \
         all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -110,6 +112,7 @@ class LeanDecoder:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
+        self.head_norms = hasattr(model.model.layers[0].self_attn, "q_norm")  # Qwen3
         self._fused, self._fused_of = None, None
 
     def weights_changed(self) -> None:
@@ -130,8 +133,9 @@ class LeanDecoder:
         """Per layer, read from the model's current weights: q/k/v as one matrix and gate/up as
         another (one matmul each instead of three and two), each with its RMSNorm's weight folded
         into its columns (W (w * x) = (W diag(w)) x) and q's rows pre-multiplied by the attention
-        scale (which commutes with the rotary rotation); o and down transposed for `addmm`, which
-        adds the residual in the same call. No module is called per step."""
+        scale (which commutes with the rotary rotation; with Qwen3's per-head norms the scale goes
+        into the query norm's weight instead, as a norm undoes a scale before it); o and down
+        transposed for `addmm`, which adds the residual in the same call. No module is called per step."""
         def cat(mods, scales, norm):
             weight = torch.cat([m.weight * s for m, s in zip(mods, scales)]) * norm.weight
             if all(m.bias is None for m in mods):
@@ -141,12 +145,17 @@ class LeanDecoder:
 
         self.final_eps = norm_eps(self.model.model.norm, self.model.model.norm.weight)
         fused = []
+        q_scale = 1.0 if self.head_norms else self.scale
         for layer in self.model.model.layers:
             a, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            fused.append({"qkv": cat((a.q_proj, a.k_proj, a.v_proj), (self.scale, 1.0, 1.0), norm1),
+            fused.append({"qkv": cat((a.q_proj, a.k_proj, a.v_proj), (q_scale, 1.0, 1.0), norm1),
                           "gate_up": cat((mlp.gate_proj, mlp.up_proj), (1.0, 1.0), norm2),
                           "o": (a.o_proj.weight.t(), a.o_proj.bias), "down": (mlp.down_proj.weight.t(), mlp.down_proj.bias),
                           "eps1": norm_eps(norm1, norm1.weight), "eps2": norm_eps(norm2, norm2.weight)})
+            if self.head_norms:  # [q heads + kv heads, head_dim]: each head's norm weight, q's times the scale
+                fused[-1]["head_norm"] = torch.cat([(a.q_norm.weight * self.scale).expand(self.num_heads, -1),
+                                                    a.k_norm.weight.expand(self.num_kv_heads, -1)])
+                fused[-1]["eps_head"] = norm_eps(a.q_norm, a.q_norm.weight)
         return fused
 
     def rotary_tables(self, length: int, like: torch.Tensor) -> torch.Tensor:
@@ -173,6 +182,8 @@ class LeanDecoder:
         for (k_cache, v_cache), w in zip(cache, fused):
             qkv = F.linear(h * rms_scale(h, w["eps1"]), *w["qkv"]).view(b * t, nh + 2 * nkv, d)
             qk = qkv[:, : nh + nkv]
+            if "head_norm" in w:  # Qwen3: RMSNorm of each query and key head before the rotation
+                qk = qk * rms_scale(qk, w["eps_head"]) * w["head_norm"]
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
             k_cache[:, :, start:end] = qk[:, nh:].view(b, t, nkv, d).transpose(1, 2)
             v_cache[:, :, start:end] = qkv[:, nh + nkv :].view(b, t, nkv, d).transpose(1, 2)

@@ -363,4 +363,5 @@ class RolloutWorker:
         return os.getpid()
 
     def stats(self) -> dict:
-        return {"index": self.index, "version": self.version, "tokens": self.tokens_generated, "seconds": self.generate_seconds}
+        return {"index": self.index, "version": self.version, "tokens": self.tokens_generated, "seconds": self.generate_seconds,
+                "lean_decode": getattr(self.backend, "lean", None) is not None}

@@ -1,10 +1,10 @@
 """The lean decode loop (actors/lean_decode.py) samples what transformers' generate would:
-same greedy tokens and logprobs (left padding, rows stopping at different steps), the same
+same greedy tokens and logprobs (Qwen2, Llama, Qwen3; left padding, rows stopping at different steps), the same
 truncated distribution, the weights most recently loaded, and a fallback for other models."""
 import numpy as np
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from actors.lean_decode import sample_next, supports_lean_decode
@@ -35,6 +35,22 @@ def llama():
     return LlamaForCausalLM(cfg).eval()
 
 
+def qwen3():
+    """Qwen3: an RMSNorm of every query and key head (weights away from 1, so they matter), a
+    head_dim that is not hidden / heads, tied embeddings."""
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
+                      tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+        model.model.norm.weight.mul_(4.0)
+    return model
+
+
 def both(model, requests):
     lean = HFBackend("unused", model=model, decode="lean")
     plain = HFBackend("unused", model=model, decode="generate")
@@ -42,7 +58,7 @@ def both(model, requests):
     return lean.generate(requests), plain.generate(requests)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3])
 def test_greedy_tokens_and_logprobs_match_generate(make):
     model = make()
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -58,7 +74,7 @@ def test_greedy_tokens_and_logprobs_match_generate(make):
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3])
 def test_a_prompt_sampled_n_times_is_prefilled_once_and_decodes_as_generate(make, monkeypatch):
     from actors.lean_decode import LeanDecoder
 
