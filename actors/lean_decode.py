@@ -1,4 +1,4 @@
-"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama): the rollout backend's
+"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral): the rollout backend's
 fast path in place of `model.generate` (issue 10).
 
 What it saves over `generate` on a small model (profiled on the quickstart's, batch 32):
@@ -24,7 +24,16 @@ import torch.nn.functional as F
 
 from rlsys.generation import interpolated_logits
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def attends_to_whole_context(cfg) -> bool:
+    """No sliding window: Qwen2/Qwen3 switch theirs on with `use_sliding_window`; Mistral has one
+    whenever `sliding_window` is set below its longest context (Mistral 7B v0.1: 4096)."""
+    if hasattr(cfg, "use_sliding_window"):
+        return not cfg.use_sliding_window
+    window = getattr(cfg, "sliding_window", None)
+    return window is None or window >= cfg.max_position_embeddings
 
 
 def supports_lean_decode(model) -> bool:
@@ -34,7 +43,7 @@ def supports_lean_decode(model) -> bool:
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
-    if getattr(cfg, "use_sliding_window", False) or getattr(cfg, "hidden_act", None) != "silu":
+    if not attends_to_whole_context(cfg) or getattr(cfg, "hidden_act", None) != "silu":
         return False
     layer = model.model.layers[0]
     head_norms = ("q_norm", "k_norm") if cfg.model_type == "qwen3" else ()

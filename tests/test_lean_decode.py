@@ -1,10 +1,12 @@
 """The lean decode loop (actors/lean_decode.py) samples what transformers' generate would:
-same greedy tokens and logprobs (Qwen2, Llama, Qwen3; left padding, rows stopping at different steps), the same
-truncated distribution, the weights most recently loaded, and a fallback for other models."""
+same greedy tokens and logprobs (Qwen2, Llama, Qwen3, Mistral; left padding, rows stopping at
+different steps), the same truncated distribution, the weights most recently loaded, and a
+fallback for other models (and for a Mistral whose sliding window is shorter than its context)."""
 import numpy as np
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from actors.lean_decode import sample_next, supports_lean_decode
@@ -51,6 +53,17 @@ def qwen3():
     return model
 
 
+def mistral(sliding_window=None):
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
+                        sliding_window=sliding_window)
+    torch.manual_seed(6)
+    model = MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)
+    return model
+
+
 def both(model, requests):
     lean = HFBackend("unused", model=model, decode="lean")
     plain = HFBackend("unused", model=model, decode="generate")
@@ -58,7 +71,7 @@ def both(model, requests):
     return lean.generate(requests), plain.generate(requests)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama, qwen3])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral])
 def test_greedy_tokens_and_logprobs_match_generate(make):
     model = make()
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -74,7 +87,7 @@ def test_greedy_tokens_and_logprobs_match_generate(make):
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama, qwen3])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral])
 def test_a_prompt_sampled_n_times_is_prefilled_once_and_decodes_as_generate(make, monkeypatch):
     from actors.lean_decode import LeanDecoder
 
@@ -169,6 +182,7 @@ def test_fused_weights_follow_arrays_rewritten_in_place_and_in_place_edits(one_t
 
 
 def test_other_architectures_fall_back_to_generate(one_torch_thread):
+    assert not supports_lean_decode(mistral(sliding_window=16))  # a window shorter than the context: not ours
     cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).eval()
