@@ -31,8 +31,13 @@ class RunConfig(Section):
     output_dir: str = "runs"
 
 
+Architecture = Literal["qwen2", "qwen3", "llama", "mistral"]  # Llama-family decoders the tiny factory builds
+
+
 class ModelConfig(Section):
     path: Optional[str] = Field(None, description="local HF model dir; none builds a tiny model")
+    architecture: Architecture = Field(
+        "qwen2", description="the tiny model's transformers model type (with `path`: the directory's own)")
     vocab_size: int = Field(512, ge=32, le=65536)
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(384, ge=8)

@@ -10,16 +10,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, get_args
 
 import torch
+
+from rlsys.config import Architecture
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
+ARCHITECTURES = get_args(Architecture)
+
+
 @dataclass
 class TinyModelSpec:
-    """Sizes of a tiny Qwen2-style decoder. Defaults give ~1M parameters with a 512 vocab."""
+    """Sizes of a tiny Llama-family decoder (`architecture`: a transformers model type of
+    ARCHITECTURES, Qwen2 by default). Defaults give ~1M parameters with a 512 vocab."""
 
     vocab_size: int = 512
     hidden_size: int = 128
@@ -29,6 +35,22 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    architecture: str = "qwen2"
+
+    def config(self, vocab_size: int, tokenizer=None, **extra):
+        """The transformers config of these sizes (head_dim = hidden / heads; no sliding window)."""
+        from transformers import AutoConfig
+
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r}: the tiny factory builds {', '.join(ARCHITECTURES)}")
+        fields = dict(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.hidden_size // self.num_attention_heads,
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
+            sliding_window=None, pad_token_id=getattr(tokenizer, "pad_token_id", 0),
+            bos_token_id=getattr(tokenizer, "bos_token_id", 1), eos_token_id=getattr(tokenizer, "eos_token_id", 2))
+        return AutoConfig.for_model(self.architecture, **{**fields, **extra})
 
     @classmethod
     def from_config(cls, model) -> "TinyModelSpec":
@@ -78,27 +100,14 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def build_tiny_model(spec: TinyModelSpec, tokenizer=None, seed: int = 0):
-    """A randomly initialised Qwen2 causal LM. With a tokenizer, vocab and special ids follow it."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A randomly initialised causal LM of `spec`. With a tokenizer, vocab and special ids follow it."""
+    from transformers import AutoModelForCausalLM
 
     vocab = len(tokenizer) if tokenizer is not None else spec.vocab_size
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        pad_token_id=getattr(tokenizer, "pad_token_id", 0),
-        bos_token_id=getattr(tokenizer, "bos_token_id", 1),
-        eos_token_id=getattr(tokenizer, "eos_token_id", 2),
-        use_cache=True,
-    )
+    config = spec.config(vocab, tokenizer, use_cache=True)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model
 
 

@@ -60,22 +60,18 @@ def preference_pairs(rows: Sequence[dict], prompt_text: Callable[[dict], str], p
 
 
 def build_reward_model(tokenizer, spec, seed: int = 0, init_dir: Optional[str] = None):
-    """A one-logit Qwen2ForSequenceClassification: random from `spec` (rlsys.models.TinyModelSpec),
-    or the backbone of a local causal LM dir (`from_pretrained`, a fresh score head)."""
-    from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
+    """A one-logit sequence classifier (Qwen2's by default): random from `spec`
+    (rlsys.models.TinyModelSpec), or the backbone of a local causal LM dir (`from_pretrained`,
+    a fresh score head)."""
+    from transformers import AutoModelForSequenceClassification
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         if init_dir is not None:
             return AutoModelForSequenceClassification.from_pretrained(
                 init_dir, num_labels=1, local_files_only=True, pad_token_id=tokenizer.pad_token_id)
-        config = Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
-            num_labels=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id)
-        return Qwen2ForSequenceClassification(config)
+        config = spec.config(len(tokenizer), tokenizer, num_labels=1, tie_word_embeddings=False)
+        return AutoModelForSequenceClassification.from_config(config)
 
 
 def train_reward_model(model, tokenizer, pairs: Sequence[dict], steps: int, batch_size: int = 32, lr: float = 1e-3,

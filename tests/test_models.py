@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, num_parameters, save_model_dir, train_tokenizer
@@ -20,6 +21,27 @@ def test_tokenizer_and_model_round_trip(tmp_path):
     x = torch.tensor([ids])
     with torch.no_grad():
         assert torch.equal(model(x).logits, model2(x).logits)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama", "mistral"])
+def test_every_tiny_architecture_round_trips_and_runs_the_lean_decode_loop(tmp_path, architecture):
+    """`model.architecture`: the tiny factory builds each Llama-family type with head_dim =
+    hidden / heads, saves it, loads it back with from_pretrained to the same logits, and the
+    rollout worker's lean decode loop serves it; a reward model of the same spec is a one-logit
+    sequence classifier of that type."""
+    from actors.lean_decode import supports_lean_decode
+    from rlsys.reward_model import build_reward_model
+
+    tok = train_tokenizer(TEXTS, vocab_size=300)
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, architecture=architecture)
+    model = build_tiny_model(spec, tok, seed=1)
+    assert model.config.model_type == architecture and model.config.head_dim == 8 and supports_lean_decode(model)
+    loaded = load_model(save_model_dir(model, tok, tmp_path / "m"))
+    x = torch.tensor([tok("12+34=46", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded(x).logits)
+    rm = build_reward_model(tok, spec, seed=2)
+    assert rm.config.model_type == architecture and rm(x).logits.shape == (1, 1)
 
 
 def test_same_seed_same_weights():
