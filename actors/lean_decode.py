@@ -1,5 +1,5 @@
-"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral): the rollout backend's
-fast path in place of `model.generate` (issue 10).
+"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral): the
+rollout backend's fast path in place of `model.generate` (issue 10).
 
 What it saves over `generate` on a small model (profiled on the quickstart's, batch 32):
 the DynamicCache grows by `torch.cat` every step (27% of generate's CPU time), causal masks
@@ -144,7 +144,8 @@ class LeanDecoder:
         into its columns (W (w * x) = (W diag(w)) x) and q's rows pre-multiplied by the attention
         scale (which commutes with the rotary rotation; with Qwen3's per-head norms the scale goes
         into the query norm's weight instead, as a norm undoes a scale before it); o and down
-        transposed for `addmm`, which adds the residual in the same call. No module is called per step."""
+        transposed for `addmm`, which adds the residual in the same call. No module is called
+        per step."""
         def cat(mods, scales, norm):
             weight = torch.cat([m.weight * s for m, s in zip(mods, scales)]) * norm.weight
             if all(m.bias is None for m in mods):
