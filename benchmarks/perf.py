@@ -146,20 +146,13 @@ class Bench:
     def rollout_qwen3(self, batch: int = 32, new: int = 64):
         """The fixed-length figure on a random-init Qwen3 of the quickstart policy's sizes (its
         per-head query/key norms run in the lean loop too)."""
-        import torch
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        import dataclasses
 
         from actors.rollout import RolloutWorker
-        from rlsys.models import save_model_dir
+        from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir
 
-        m = self.cfg.model
-        config = Qwen3Config(vocab_size=len(self.tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                             num_key_value_heads=m.num_key_value_heads, head_dim=m.hidden_size // m.num_attention_heads,
-                             max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
-                             eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
-        torch.manual_seed(0)
-        model_dir = save_model_dir(Qwen3ForCausalLM(config), self.tok, Path(self.policy_dir).parent / "qwen3")
+        spec = dataclasses.replace(TinyModelSpec.from_config(self.cfg.model), architecture="qwen3")
+        model_dir = save_model_dir(build_tiny_model(spec, self.tok), self.tok, Path(self.policy_dir).parent / "qwen3")
         worker = RolloutWorker(str(model_dir), "hf", batch_size=64, threads=1)
         assert worker.stats()["lean_decode"]
         self.rollout_figure(worker, batch, new, f"{new} new, a Qwen3 of the same sizes", min_new_tokens=new)

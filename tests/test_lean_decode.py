@@ -29,22 +29,22 @@ def qwen2():
     return model
 
 
+def tiny(config_cls, model_cls, seed: int, **config):
+    """A random-init model of the tests' sizes (eos 1, pad 0) from one transformers family."""
+    cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1, pad_token_id=0, **config)
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval()
+
+
 def llama():
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
-                      attention_bias=True)
-    torch.manual_seed(4)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny(LlamaConfig, LlamaForCausalLM, 4, attention_bias=True)
 
 
 def qwen3():
     """Qwen3: an RMSNorm of every query and key head (weights away from 1, so they matter), a
     head_dim that is not hidden / heads, tied embeddings."""
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
-                      tie_word_embeddings=True)
-    torch.manual_seed(5)
-    model = Qwen3ForCausalLM(cfg).eval()
+    model = tiny(Qwen3Config, Qwen3ForCausalLM, 5, head_dim=16, tie_word_embeddings=True)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
@@ -54,11 +54,7 @@ def qwen3():
 
 
 def mistral(sliding_window=None):
-    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, eos_token_id=1, pad_token_id=0,
-                        sliding_window=sliding_window)
-    torch.manual_seed(6)
-    model = MistralForCausalLM(cfg).eval()
+    model = tiny(MistralConfig, MistralForCausalLM, 6, head_dim=8, sliding_window=sliding_window)
     with torch.no_grad():
         model.model.norm.weight.mul_(4.0)
     return model
