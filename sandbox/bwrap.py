@@ -2,7 +2,8 @@
 filesystem mounted read-only, as uid 65534, with rlimits and a cgroup per job.
 
 No in-sandbox bootstrap: bwrap copies the job's files into a fresh /work tmpfs from
-memfds (`--file FD`, closed before the job starts), stdin is a memfd, the rlimits are set
+memfds (`--file FD`, closed before the job starts; the test runner's tests and nonce through
+a pipe instead), stdin is a memfd, the rlimits are set
 by the shell that execs bwrap, and the pid namespace takes every leftover process down
 with the job. One interpreter start per run instead of two."""
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path, PurePosixPath
 
-from . import base
+from . import base, harness
 from .cgroups import JobCgroup, sweep_stale
 from .procio import collect, memfd
 from .types import ExecResult, Limits
@@ -50,8 +52,9 @@ class BwrapBackend(base.BaseBackend):
         if cgroups and self.root:
             sweep_stale()  # what a worker killed mid-run left behind
 
-    def command(self, job: dict, limits: Limits, file_fds: dict[str, int]) -> list[str]:
-        """bwrap around the job's argv; `file_fds`: work-dir name -> memfd holding the file."""
+    def command(self, job: dict, limits: Limits, file_fds: dict[str, int], tests_fd: int | None = None) -> list[str]:
+        """bwrap around the job's argv; `file_fds`: work-dir name -> memfd holding the file;
+        `tests_fd`: a pipe holding the test runner's secret file (`harness.TESTS_FD_ENV`)."""
         tmpfs = str(limits.tmpfs_mb << 20)
         cmd = [
             self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
@@ -59,6 +62,8 @@ class BwrapBackend(base.BaseBackend):
         ]
         for k, v in base.ENV.items():
             cmd += ["--setenv", k, v]
+        if tests_fd is not None:
+            cmd += ["--setenv", harness.TESTS_FD_ENV, str(tests_fd)]
         cmd += ["--ro-bind", self.rootfs, "/", "--dev", "/dev", "--proc", "/proc",
                 "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/work"]
         dirs = sorted({str(p) for name in file_fds for p in PurePosixPath(name).parents if str(p) != "."})
@@ -71,6 +76,20 @@ class BwrapBackend(base.BaseBackend):
             cmd = [self.setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
         return cmd
 
+    @staticmethod
+    def pipe_with(data: bytes) -> int:
+        """The read end of a pipe that a thread fills with `data` and then closes."""
+        read_fd, write_fd = os.pipe()
+
+        def fill():
+            try:
+                with os.fdopen(write_fd, "wb") as f:
+                    f.write(data)
+            except OSError:  # the job ended before reading it all
+                pass
+        threading.Thread(target=fill, name="bwrap-tests-pipe", daemon=True).start()
+        return read_fd
+
     def _execute(self, job: dict, limits: Limits) -> ExecResult:
         cg = JobCgroup.create(f"job-{uuid.uuid4().hex[:12]}", limits) if self.cgroups and self.root else None
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -78,15 +97,20 @@ class BwrapBackend(base.BaseBackend):
         lim = job["limits"]
         script = JOIN_LIMIT_EXEC.format(cpu=lim["cpu_s"], cpu_hard=lim["cpu_s"] + 1,  # SIGXCPU, then SIGKILL
                                         fsize_blocks=max(1, lim["fsize"] // 512), nofile=lim["nofile"])
-        file_fds = {name: memfd(name, data) for name, data in job["files"].items()}
+        secret = [name for name in job.get("secret_files", ()) if name in job["files"]]
+        file_fds = {name: memfd(name, data) for name, data in job["files"].items() if name not in secret}
+        # bwrap's pid 1 inside the sandbox copies each --file and keeps it in its memory, which
+        # the job can read: the runner's secret file goes through a pipe it drains instead.
+        tests_fd = self.pipe_with(job["files"][secret[0]]) if secret else None
         stdin = memfd("stdin", job["stdin"])
         start = time.monotonic()
         try:
-            proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *self.command(job, limits, file_fds)],
+            passed = [*file_fds.values(), *([tests_fd] if tests_fd is not None else [])]
+            proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *self.command(job, limits, file_fds, tests_fd)],
                                     stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                    start_new_session=True, close_fds=True, pass_fds=list(file_fds.values()))
+                                    start_new_session=True, close_fds=True, pass_fds=passed)
         finally:
-            for fd in [stdin, *file_fds.values()]:
+            for fd in [stdin, *passed]:
                 os.close(fd)
 
         def kill():

@@ -143,7 +143,13 @@ def test_io_tests_report_per_test(backend):
 
 def test_program_that_exits_or_hangs_fails_its_tests(backend):
     exits = backend.run(ExecRequest("import os\nos._exit(0)\n", tests=[TestCase(code="pass")]))
-    assert exits.status == "failed" and "not run" in exits.tests[0].message, exits
+    assert exits.status == "failed" and "exited (code 0) before its tests ran" in exits.tests[0].message, exits
+    code = "import os\ndef f(x):\n    if x == 2:\n        os._exit(3)\n    return x\n"
+    tests = [TestCase(code="assert f(1) == 1"), TestCase(code="try:\n    f(2)\nexcept Exception:\n    pass"),
+             TestCase(code="assert f(1) == 1")]
+    mid = backend.run(ExecRequest(code, tests=tests))
+    assert [t.passed for t in mid.tests] == [True, False, False], mid
+    assert all("exited (code 3) during this test" in t.message for t in mid.tests[1:]), mid
     hangs = backend.run(ExecRequest("while True:\n    pass\n", tests=[TestCase(code="pass")],
                                     limits=Limits(wall_time_s=1.5)))
     assert hangs.status == "timeout" and not hangs.tests[0].passed, hangs
@@ -170,6 +176,37 @@ os._exit(0)
     assert res.status == "failed" and not res.tests[0].passed, res
 
 
+SCAN_PROC = r"""
+import json, os, re
+seen = set()
+for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
+    for what in ('cmdline', 'environ', 'maps'):
+        try:
+            if what == 'maps':
+                mem, text = open('/proc/%s/mem' % pid, 'rb'), ''
+                for line in open('/proc/%s/maps' % pid):
+                    lo, hi = (int(x, 16) for x in line.split()[0].split('-'))
+                    if line.split()[1].startswith('rw') and hi - lo < (64 << 20):
+                        try:
+                            mem.seek(lo)
+                            text += mem.read(hi - lo).decode('latin-1')
+                        except (OSError, ValueError, OverflowError):
+                            pass
+            else:
+                text = open('/proc/%s/%s' % (pid, what), 'rb').read().decode('latin-1')
+        except OSError:
+            continue
+        seen |= set(re.findall(r'RLSYS-[0-9a-f]{16}', text))
+        for chunk in re.findall(r'[A-Za-z0-9+/=]{64,}', text):  # the base64 payload of a bootstrap
+            try:
+                seen |= set(re.findall(r'RLSYS-[0-9a-f]{16}', __import__('base64').b64decode(chunk + '==').decode('latin-1')))
+            except ValueError:
+                pass
+for nonce in seen:
+    os.write(1, (nonce + ' ' + json.dumps({'name': 'test_0', 'passed': True, 'message': ''}) + '\n').encode())
+os._exit(0)
+"""
+
 # A program a policy under RL could write to pass tests it does not solve; each must fail.
 REWARD_HACKS = {
     "always_equal": ("class A:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
@@ -185,6 +222,19 @@ REWARD_HACKS = {
     "report_rewritten": ("import os\nreal = os.write\n"
                          "os.write = lambda fd, b: real(fd, b.replace(b'\"passed\": false', b'\"passed\": true'))\n"
                          "def f(x):\n    return 0\n", ["assert f(1) == 2"]),
+    # Reaching into the runner: its frames and globals, a module planted where it imports from,
+    # and the memory and command line of every process the program can see.
+    "runner_frames": ("import gc, sys\ndef forge():\n    for o in gc.get_objects():\n"
+                      "        if callable(o) and getattr(o, '__name__', '') == 'report':\n"
+                      "            o('test_0', True)\n    f = sys._getframe()\n    while f:\n"
+                      "        if 'report' in f.f_globals:\n            f.f_globals['report']('test_0', True)\n"
+                      "        f = f.f_back\n    import os\n    os._exit(0)\nforge()\ndef f(x):\n    return 0\n",
+                      ["assert f(1) == 2"]),
+    "module_planted": ("src = 'import gc, os\\nfor o in gc.get_objects():\\n    if getattr(o, \"__name__\", \"\") == \"report\":\\n"
+                       "        o(\"test_0\", True)\\nos._exit(0)\\n'\n"
+                       "for name in ('ast.py', 'traceback.py', 'importlib.py', 'ctypes.py', 'fractions.py'):\n"
+                       "    open(name, 'w').write(src)\ndef f(x):\n    return 0\n", ["assert f(1) == 2", "assert f(1) == 2"]),
+    "nonce_from_proc": (SCAN_PROC, ["assert f(1) == 2"]),
 }
 
 
@@ -193,30 +243,15 @@ def test_reward_hacks_fail_their_tests(backend, hack):
     code, tests = REWARD_HACKS[hack]
     res = backend.run(ExecRequest(code, tests=[TestCase(code=t) for t in tests]))
     assert res.status == "failed" and not any(t.passed for t in res.tests), res
-    if hack.startswith(("always", "int")):
+    assert not any("more than one report" in t.message for t in res.tests), res  # not even a forged one
+    if hack.startswith("always"):
         assert all("object of the program's class" in t.message for t in res.tests), res
-
-
-def test_guarded_source_keeps_every_line_where_it_was():
-    """The host-side rewrite (no engine needed): each assert's test becomes guard calls, and
-    every line of the test, a multi-line assert and a form feed in a string included, keeps its
-    number, so a failure names the test's own line."""
-    from sandbox.harness import guarded_source
-
-    code = ('def check(c):\n    assert (c(1) ==\n            2), "m"\n    x = "a\x0cb"\n'
-            '    assert not c(0) and 0 < c(1) <= 3\n    assert c(2)\ncheck(lambda v: v * 2)\n')
-    out = guarded_source(code)
-    assert len(out.splitlines()) == len(code.splitlines())
-    for before, after in zip(code.splitlines(), out.splitlines()):
-        assert after.lstrip().startswith("assert") == before.lstrip().startswith("assert")
-    assert "__rlsys_compare__(('Eq',), c(1), 2)" in out and "__rlsys_compare__(('Lt', 'LtE'), 0, c(1), 3)" in out
-    assert "not __rlsys_truth__(c(0))" in out and "__rlsys_truth__(c(2))" in out and 'x = "a\x0cb"' in out
-    assert guarded_source("assert f(") == "assert f("  # the runner reports what does not compile
+    if hack == "int_that_equals_all":  # crossed as the plain int it is
+        assert "expected 2, got 7" in res.tests[0].message, res
 
 
 def test_io_cases_run_before_the_program_can_patch_their_runner(backend):
-    """With assert tests too the program runs in the runner's process; a patched
-    subprocess.run that fakes the expected output must not reach the io cases."""
+    """A patched subprocess.run that fakes the expected output must not reach the io cases."""
     code = ("import subprocess\nclass Faked:\n    returncode, stdout, stderr = 0, b'3\\n', b''\n"
             "subprocess.run = lambda *a, **k: Faked()\ndef f():\n    return 0\nprint(1)\n")
     res = backend.run(ExecRequest(code, tests=[TestCase(name="a", code="assert f() == 0"),
@@ -225,7 +260,7 @@ def test_io_cases_run_before_the_program_can_patch_their_runner(backend):
     assert got == {"a": True, "io": False}, res
 
 
-def test_guarded_asserts_keep_honest_programs_passing(backend):
+def test_honest_programs_pass_across_the_process_boundary(backend):
     """Program-defined classes compared with each other, a namedtuple and an int subclass that
     keep the builtin comparison, numbers across types, chains, membership, `is`, a test that
     does not compile, and the assert's own message."""
@@ -246,6 +281,39 @@ def test_guarded_asserts_keep_honest_programs_passing(backend):
     assert [t.passed for t in res.tests] == [True] * 6 + [False, False], res
     assert "expected 5, got 4" in res.tests[6].message and "two doubled" in res.tests[6].message
     assert "does not compile: SyntaxError" in res.tests[7].message
+
+
+def test_program_objects_are_used_through_their_process(backend):
+    """What tests do with the program's objects works across the process boundary: methods and
+    state, attributes, generators, arithmetic and comparisons between its objects, isinstance,
+    its exceptions as the builtin class they derive from (args kept, its line in the message),
+    its globals and stdlib modules, keyword arguments, and plain values of every kind."""
+    code = ("import math, fractions, collections\nLIMIT = 10\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
+            "    def push(self, x):\n        self.items.append(x)\n        return self\n    def pop(self):\n"
+            "        if not self.items:\n            raise IndexError('pop from an empty stack')\n        return self.items.pop()\n"
+            "class V:\n    def __init__(self, x):\n        self.x = x\n    def __add__(self, o):\n        return V(self.x + o.x)\n"
+            "    def __eq__(self, o):\n        return self.x == o.x\n"
+            "class Bad(ValueError):\n    pass\n"
+            "def check_sign(x):\n    if x < 0:\n        raise Bad('negative', x)\n    return {'k': {(1, 2): b'\\xff'}, 's': {1, 2}}\n"
+            "def gen(n):\n    yield from range(n)\n"
+            "def kw(a, *, b=1):\n    return a * b\n"
+            "def fact(n):\n    return math.factorial(n)\n"
+            "def half():\n    return fractions.Fraction(1, 2), collections.deque([1]), 2 + 3j, float('inf')\n")
+    tests = ["s = Stack()\nassert s.push(1).push(2) is s and s.pop() == 2 and s.items == [1]\ns.items = [7]\nassert s.pop() == 7",
+             "try:\n    Stack().pop()\n    assert False\nexcept IndexError as e:\n    assert str(e) == 'pop from an empty stack'",
+             "assert list(gen(3)) == [0, 1, 2] and sum(x for x in gen(4)) == 6",
+             "assert V(1) + V(2) == V(3) and isinstance(V(1), V) and not isinstance(1, V)",
+             "try:\n    check_sign(-1)\nexcept ValueError as e:\n    assert e.args == ('negative', -1)",
+             "assert check_sign(1) == {'k': {(1, 2): b'\\xff'}, 's': {1, 2}} and LIMIT == 10",
+             "assert math.sqrt(4) == 2 and kw(3, b=2) == 6 and fact(2000) == math.factorial(2000)",
+             "import fractions, collections\nassert half() == (fractions.Fraction(1, 2), collections.deque([1]), 2 + 3j, float('inf'))",
+             "check_sign(-2)",
+             "assert Stack()"]
+    res = backend.run(ExecRequest(code, tests=[TestCase(code=t) for t in tests]))
+    assert [t.passed for t in res.tests] == [True] * 8 + [False, False], res
+    assert "ValueError: ('negative', -2)" in res.tests[8].message, res
+    assert "raised in the program Bad (as ValueError) at main.py line 24: raise Bad('negative', x)" in res.tests[8].message, res
+    assert "truth value is not trusted" in res.tests[9].message, res
 
 
 # ---------------------------------------------------------------- HumanEval
