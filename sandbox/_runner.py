@@ -35,6 +35,7 @@ if hasattr(sys, "set_int_max_str_digits"):
 TESTS_FILE, TESTS_FD = "_rlsys_tests.json", os.environ.pop("RLSYS_TESTS_FD", None)
 MAX_REPR = 300
 MAX_DEPTH = 100  # a deeper (or cyclic) container stays in the program's process
+MUTABLE = (list, dict, set, bytearray)
 
 
 def encode(value, other, depth=0):
@@ -160,7 +161,10 @@ def program_process(requests, replies):
         return ["raise", [c.__name__ for c in type(e).__mro__], args, where]
 
     def call(f, args, kwargs):
-        return f(*args, **kwargs)
+        """The result, and each list, dict, set or bytearray argument as the call left it (the
+        judge passed copies: `ProgramObject.__call__` writes changes back)."""
+        result = f(*args, **kwargs)
+        return result, [a if type(a) in MUTABLE else None for a in args]
 
     def is_instance(value, cls):
         return isinstance(value, cls)
@@ -371,7 +375,15 @@ class ProgramObject:
         ask("delattr", self, name)
 
     def __call__(self, *args, **kwargs):
-        return ask("call", self, args, kwargs)
+        result, after = ask("call", self, args, kwargs)
+        for arg, changed in zip(args, after):  # an argument the program changed in place, changed here too
+            if type(arg) in MUTABLE and type(changed) is type(arg):
+                if type(arg) is dict or type(arg) is set:
+                    arg.clear()
+                    arg.update(changed)
+                else:
+                    arg[:] = changed
+        return result
 
     def __repr__(self):
         try:

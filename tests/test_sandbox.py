@@ -287,7 +287,8 @@ def test_program_objects_are_used_through_their_process(backend):
     """What tests do with the program's objects works across the process boundary: methods and
     state, attributes, generators, arithmetic and comparisons between its objects, isinstance,
     its exceptions as the builtin class they derive from (args kept, its line in the message),
-    its globals and stdlib modules, keyword arguments, and plain values of every kind."""
+    its globals and stdlib modules, keyword arguments, arguments it changes in place, and plain
+    values of every kind."""
     code = ("import math, fractions, collections\nLIMIT = 10\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
             "    def push(self, x):\n        self.items.append(x)\n        return self\n    def pop(self):\n"
             "        if not self.items:\n            raise IndexError('pop from an empty stack')\n        return self.items.pop()\n"
@@ -298,7 +299,8 @@ def test_program_objects_are_used_through_their_process(backend):
             "def gen(n):\n    yield from range(n)\n"
             "def kw(a, *, b=1):\n    return a * b\n"
             "def fact(n):\n    return math.factorial(n)\n"
-            "def half():\n    return fractions.Fraction(1, 2), collections.deque([1]), 2 + 3j, float('inf')\n")
+            "def half():\n    return fractions.Fraction(1, 2), collections.deque([1]), 2 + 3j, float('inf')\n"
+            "def sort_in_place(xs, seen):\n    xs.sort()\n    seen['n'] = len(xs)\n")
     tests = ["s = Stack()\nassert s.push(1).push(2) is s and s.pop() == 2 and s.items == [1]\ns.items = [7]\nassert s.pop() == 7",
              "try:\n    Stack().pop()\n    assert False\nexcept IndexError as e:\n    assert str(e) == 'pop from an empty stack'",
              "assert list(gen(3)) == [0, 1, 2] and sum(x for x in gen(4)) == 6",
@@ -307,13 +309,14 @@ def test_program_objects_are_used_through_their_process(backend):
              "assert check_sign(1) == {'k': {(1, 2): b'\\xff'}, 's': {1, 2}} and LIMIT == 10",
              "assert math.sqrt(4) == 2 and kw(3, b=2) == 6 and fact(2000) == math.factorial(2000)",
              "import fractions, collections\nassert half() == (fractions.Fraction(1, 2), collections.deque([1]), 2 + 3j, float('inf'))",
+             "xs, seen = [3, 1, 2], {}\nassert sort_in_place(xs, seen) is None and xs == [1, 2, 3] and seen == {'n': 3}",
              "check_sign(-2)",
              "assert Stack()"]
     res = backend.run(ExecRequest(code, tests=[TestCase(code=t) for t in tests]))
-    assert [t.passed for t in res.tests] == [True] * 8 + [False, False], res
-    assert "ValueError: ('negative', -2)" in res.tests[8].message, res
-    assert "raised in the program Bad (as ValueError) at main.py line 24: raise Bad('negative', x)" in res.tests[8].message, res
-    assert "truth value is not trusted" in res.tests[9].message, res
+    assert [t.passed for t in res.tests] == [True] * 9 + [False, False], res
+    assert "ValueError: ('negative', -2)" in res.tests[9].message, res
+    assert "raised in the program Bad (as ValueError) at main.py line 24: raise Bad('negative', x)" in res.tests[9].message, res
+    assert "truth value is not trusted" in res.tests[10].message, res
 
 
 # ---------------------------------------------------------------- HumanEval
