@@ -294,7 +294,10 @@ def proxy(tag, ref):
         if name.partition(".")[0] in getattr(sys, "stdlib_module_names", ()):
             import importlib
 
-            return importlib.import_module(name)  # the judge's own copy: the program may have patched its one
+            try:
+                return importlib.import_module(name)  # the judge's own copy: the program may have patched its one
+            except Exception:  # noqa: BLE001 - e.g. tkinter without its library: the program's one, then
+                pass
     idx, type_name = int.__index__(ref[0]), str.__str__(ref[1])
     if idx not in PROXIES:
         PROXIES[idx] = ProgramObject(idx, type_name)
@@ -345,7 +348,10 @@ def ask(name, *args, during="during this test"):
     except Exception as e:  # noqa: BLE001 - the program's process wrote something else on the pipe
         raise ProgramGone("malformed reply from the program's process: %s" % type(e).__name__) from None
     if kind == "raise":
-        raise rebuilt(names, exc_args if type(exc_args) is tuple else (), where)
+        e = rebuilt(names, exc_args if type(exc_args) is tuple else (), where)
+        if type(e) is StopIteration and name != "next":  # would end the test's loop early: all(map(f, cases))
+            raise RuntimeError("the program raised StopIteration outside an iterator") from e
+        raise e
     return value
 
 

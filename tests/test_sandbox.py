@@ -235,6 +235,7 @@ REWARD_HACKS = {
                        "for name in ('ast.py', 'traceback.py', 'importlib.py', 'ctypes.py', 'fractions.py'):\n"
                        "    open(name, 'w').write(src)\ndef f(x):\n    return 0\n", ["assert f(1) == 2", "assert f(1) == 2"]),
     "nonce_from_proc": (SCAN_PROC, ["assert f(1) == 2"]),
+    "stop_iteration": ("def f(x):\n    raise StopIteration\n", ["assert all(map(lambda c: f(c) == 2, [1, 2]))"]),
 }
 
 
