@@ -11,8 +11,11 @@ critic (sees only correct z). Rewards, with correctness checked by the task's `i
 flip rates estimated by `finals` repeated final answers per critique. Two modes (`mode`):
 
 - online: every prover transcript and every critique is a row with its episode reward;
-  GRPO group advantages (prover rows grouped per problem, critiques per solution they
-  critique), PPO clipped surrogate, k3 KL to the reference.
+  `advantage: grpo` (default): GRPO group advantages (prover rows grouped per problem,
+  critiques per solution they critique), PPO clipped surrogate, k3 KL to the reference;
+  `advantage: gae`: PPO (algorithms/ppo.py's `ppo_prepare` / `ppo_loss`) with a value head on
+  each model, the episode reward on a row's last token, the KL in the per-token reward, and GAE
+  stepping over the tokens the row's model did not write (the prover's row: the critique).
 - rest (the paper's offline ReST), as phases inside the normal loop: `play_steps` steps of
   play (no learner update: `prepare` returns None), each sample's success rate estimated by
   repeated play and the samples above the thresholds kept (`rest_keep`) in a pool that
@@ -49,6 +52,7 @@ from pydantic import Field
 from algorithms.base import AlgorithmConfig, ModelOutputs, register, rewards_of, set_token_column
 from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
                                rows_with_gradient)
+from algorithms.ppo import ppo_loss, ppo_prepare
 from algorithms.sft import sft_loss
 from envs.cdg_game import (
     ROLES, Game, RevisionWarmupTask, Templates, Turn, critic_context, final_only_mask, play_games, prover_transcript,
@@ -59,7 +63,7 @@ from rlsys.generation import GenerationRequest
 
 
 class CDGConfig(AlgorithmConfig):
-    mode: Literal["online", "rest"] = Field("online", description="online RL (GRPO) or offline ReST rounds")
+    mode: Literal["online", "rest"] = Field("online", description="online RL (`advantage`) or offline ReST rounds")
     eta: float = Field(0.5, ge=0, description="prover bonus for a correct first solution (kept against a misleader)")
     solutions: int = Field(4, ge=1, description="prover solutions z per problem (the prover's GRPO group)")
     critiques: int = Field(2, ge=1, description="critiques per solution (a critic's GRPO group)")
@@ -74,9 +78,17 @@ class CDGConfig(AlgorithmConfig):
     models: Literal["shared", "prover_critic", "per_role"] = Field(
         "shared", description="one policy for all roles, a prover and a critic model, or a model per role")
     # online
+    advantage: Literal["grpo", "gae"] = Field(
+        "grpo", description="grpo: group-relative advantages, k3 KL in the loss; gae: PPO with a value head on each "
+                            "model, KL folded into the per-token reward")
     clip_eps: float = Field(0.2, gt=0, lt=1)
     kl_coef: float = Field(0.04, ge=0)
     std_normalize: bool = True
+    vf_coef: float = Field(0.5, ge=0, description="gae: weight of the clipped value loss")
+    value_clip: float = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
     # rest
     play_steps: int = Field(1, ge=1, description="steps of play per ReST round")
     sft_steps: int = Field(1, ge=1, description="supervised steps per ReST round")
@@ -186,13 +198,16 @@ def add_to_pool(pool: dict[str, list], samples: Sequence[dict], cap: int) -> int
 @register("cdg")
 class CDG:
     Config = CDGConfig
-    needs_value_head = False
 
     def __init__(self, config: CDGConfig | None = None):
         self.config = config or self.Config()
         self.round, self.phase, self.phase_step = 0, ("play" if self.config.mode == "rest" else "online"), 0
         self.pool: dict[str, list] = {r: [] for r in ROLES}
         self.models = role_models(self.config.models)
+
+    @property
+    def needs_value_head(self) -> bool:
+        return self.config.mode == "online" and self.config.advantage == "gae"
 
     @property
     def policy_names(self) -> tuple[str, ...]:
@@ -237,9 +252,19 @@ class CDG:
             for r in rows:
                 r["meta"]["pool_added"] = added
         table = make_experience(rows)
-        if self.phase == "online" and c.kl_coef > 0:
+        if self.phase == "online" and (c.kl_coef > 0 or self.needs_value_head):
             table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
+        if self.phase == "online" and self.needs_value_head:
+            table = set_token_column(table, "values", self.values(ctx, table))
         return table
+
+    def values(self, ctx, table: pa.Table) -> list:
+        """Each row's value estimates from the value head of the model that plays its role."""
+        out = [None] * table.num_rows
+        for name, rows in rows_per_model([m["role"] for m in meta_of(table)], self.models).items():
+            for i, v in zip(rows, ctx.values(table.take(rows), policy=name)):
+                out[i] = v
+        return out
 
     def sft_table(self, ctx) -> pa.Table:
         """`sft_batch_size` samples drawn uniformly from the pool (all roles), as current-version rows."""
@@ -278,6 +303,8 @@ class CDG:
         if phase == "sft":
             batch.extras["sft"] = torch.ones(len(batch))
             return batch
+        if self.needs_value_head:
+            return ppo_prepare(batch, self.config)
         per_sequence = torch.tensor(grpo_advantages(rewards_of(table), table.column("group").to_pylist(),
                                                     self.config.std_normalize), dtype=torch.float32)
         batch.advantages = broadcast_to_tokens(per_sequence, batch.response_mask)
@@ -308,7 +335,7 @@ class CDG:
 
     def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
         """Every row of a supervised (ReST) batch; in online play, as GRPO."""
-        if "sft" in batch.extras:
+        if "sft" in batch.extras or self.needs_value_head:  # gae: every row trains the value head
             return torch.ones(len(batch), dtype=torch.bool)
         return rows_with_gradient(batch, self.config.kl_coef)
 
@@ -317,6 +344,8 @@ class CDG:
         if "sft" in batch.extras:
             loss = sft_loss(outputs.logprobs, mask)
             return loss, {"loss/sft": loss.item()}
+        if self.needs_value_head:
+            return ppo_loss(outputs, batch, self.config)
         return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)
 
     def state(self) -> dict:

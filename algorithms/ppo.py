@@ -39,26 +39,37 @@ class PPO(StatelessMixin):
         return set_token_column(table, "values", ctx.values(table))
 
     def prepare(self, table: pa.Table) -> TrainBatch:
-        c = self.config
-        batch = collate(table)
-        mask = batch.response_mask
-        batch.token_rewards = kl_penalised_rewards(batch.rewards, batch.old_logprobs, batch.ref_logprobs, mask, c.kl_coef)
-        advantages, batch.returns = gae(batch.token_rewards, batch.old_values, mask, c.gamma, c.lam)
-        batch.advantages = masked_whiten(advantages, mask) if c.whiten_advantages else advantages
-        return batch
+        return ppo_prepare(collate(table), self.config)
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
-        c, mask = self.config, batch.response_mask
-        policy_loss, clip_frac, approx_kl = clipped_policy_loss(
-            outputs.logprobs, batch.old_logprobs, batch.advantages, mask, c.clip_eps
-        )
-        value_loss = clipped_value_loss(outputs.values, batch.old_values, batch.returns, mask, c.value_clip)
-        loss = policy_loss + c.vf_coef * value_loss
-        kl = masked_mean(outputs.logprobs.detach() - batch.ref_logprobs, mask)
-        return loss, {
-            "loss/policy": policy_loss.item(),
-            "loss/value": value_loss.item(),
-            "clip_frac": clip_frac.item(),
-            "approx_kl_old": approx_kl.item(),
-            "kl_ref": kl.item(),
-        }
+        return ppo_loss(outputs, batch, self.config)
+
+
+def ppo_prepare(batch: TrainBatch, c) -> TrainBatch:
+    """Per-token rewards (the task reward on each row's last masked token, -kl_coef * (logp -
+    ref_logp) on every masked token), GAE over the masked tokens (environment tokens between
+    turns stepped over), advantages whitened over the batch when `c.whiten_advantages`. `c`: any
+    config with PPOConfig's fields (CDG's online mode with `advantage: gae` too)."""
+    mask = batch.response_mask
+    batch.token_rewards = kl_penalised_rewards(batch.rewards, batch.old_logprobs, batch.ref_logprobs, mask, c.kl_coef)
+    advantages, batch.returns = gae(batch.token_rewards, batch.old_values, mask, c.gamma, c.lam)
+    batch.advantages = masked_whiten(advantages, mask) if c.whiten_advantages else advantages
+    return batch
+
+
+def ppo_loss(outputs: ModelOutputs, batch: TrainBatch, c):
+    """Clipped surrogate + vf_coef * clipped value loss, with the KL to the reference reported."""
+    mask = batch.response_mask
+    policy_loss, clip_frac, approx_kl = clipped_policy_loss(
+        outputs.logprobs, batch.old_logprobs, batch.advantages, mask, c.clip_eps
+    )
+    value_loss = clipped_value_loss(outputs.values, batch.old_values, batch.returns, mask, c.value_clip)
+    loss = policy_loss + c.vf_coef * value_loss
+    kl = masked_mean(outputs.logprobs.detach() - batch.ref_logprobs, mask)
+    return loss, {
+        "loss/policy": policy_loss.item(),
+        "loss/value": value_loss.item(),
+        "clip_frac": clip_frac.item(),
+        "approx_kl_old": approx_kl.item(),
+        "kl_ref": kl.item(),
+    }

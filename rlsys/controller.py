@@ -201,9 +201,10 @@ class ActorContext:
             ray.get([self.reference.load_weights.remote(refs[0]), *refs[1:]])
             self.reference_version = self.policy_version
 
-    def values(self, table):
+    def values(self, table, policy: str | None = None):
+        """Value-head estimates per token of `table` from `policy`'s learner (the run's policy by default)."""
         with self.timed("values"):
-            return ray.get(self.learners[0].values.remote(table))
+            return ray.get(self.policies[policy or self.main_policy].learners[0].values.remote(table))
 
     def policy_logprobs(self, table):
         with self.timed("policy_logprobs"):

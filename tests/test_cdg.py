@@ -361,6 +361,49 @@ def test_bad_config_is_one_line_error():
         assert "\n" not in str(e.value)
 
 
+def test_gae_mode_is_ppo_with_a_value_head_stepping_over_the_critique(tokenizer, templates):
+    """advantage=gae: a value head only in online play; the episode reward sits on a row's last
+    token and GAE steps over the tokens its model did not write (in the prover's row, the
+    critique), so with zero values the advantage at z's last token is lam^len(z') x reward; the
+    loss is PPO's, value loss included; `values` asks each row's own model."""
+    from algorithms.base import ModelOutputs
+    from algorithms.ppo import ppo_loss
+
+    assert not CDG(CDGConfig()).needs_value_head and not CDG(CDGConfig(mode="rest", advantage="gae")).needs_value_head
+    algo = CDG(CDGConfig(advantage="gae", kl_coef=0.0, whiten_advantages=False, lam=0.9, models="prover_critic"))
+    assert algo.needs_value_head
+    games, _ = play(tokenizer, templates)
+    table = make_experience(game_rows(games, templates, 0.5, 0, "online"))
+
+    class ValueContext:  # stands in for the controller's ActorContext: only `values` is used here
+        asked = []
+
+        def values(self, part, policy=None):
+            self.asked.append((policy, sorted({m["role"] for m in meta_of(part)})))
+            return [[0.0] * len(r) for r in part.column("response_ids").to_pylist()]
+
+    ctx = ValueContext()
+    values = algo.values(ctx, table)
+    assert sorted(ctx.asked) == [("critic", ["helpful", "misleading"]), ("prover", ["prover"])]
+    from algorithms.base import set_token_column
+
+    table = set_token_column(table, "values", values)
+    table = set_token_column(table, "ref_logprobs", table.column("logprobs").to_pylist())
+    batch = algo.prepare(table)
+    metas, rewards = meta_of(table), table.column("reward").to_pylist()
+    prover = next(i for i, m in enumerate(metas) if m["role"] == "prover" and rewards[i] != 0)
+    mask = batch.response_mask[prover]
+    on = torch.nonzero(mask).squeeze(1).tolist()
+    gaps = [a for a, b in zip(on, on[1:]) if b != a + 1]
+    assert len(gaps) == 1  # z, then the critique (mask 0), then z'
+    z_last, final_len = gaps[0], len([t for t in on if t > gaps[0]])
+    assert batch.advantages[prover, z_last].item() == pytest.approx(0.9 ** final_len * rewards[prover], rel=1e-5)
+    assert bool(algo.gradient_rows(batch).all())
+    outputs = ModelOutputs(None, batch.old_logprobs.clone().requires_grad_(), values=torch.zeros_like(batch.old_logprobs))
+    loss, metrics = algo.loss(outputs, batch)
+    assert torch.isclose(loss, ppo_loss(outputs, batch, algo.config)[0]) and metrics["loss/value"] > 0
+
+
 # ---- two steps on a real local Ray cluster -----------------------------------------------------
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -371,6 +414,9 @@ TINY = [
 ]
 MODES = {
     "online": ([], ["loss/policy", "kl_ref", "cdg/prover_reward", "cdg/solution_acc", "groups_without_signal"]),
+    # PPO with a value head on each of two models (the critic model's rows get its own values)
+    "online-gae": (["algorithm.advantage=gae", "algorithm.models=prover_critic"],
+                   ["loss/policy", "loss/value", "critic/loss/value", "cdg/prover_reward"]),
     # a warm-up that memorises 4 problems (about 1 in 5 sampled solutions right) and thresholds 0
     # (a sample with one success is kept): the first play step fills the pool
     "rest": (["task.num_train=4", "sft.steps=30", "sft.lr=0.01", "algorithm.solutions=4",
@@ -385,8 +431,8 @@ def test_two_steps_on_a_local_cluster(ray_cluster, tmp_path, mode):
     from rlsys.controller import Controller
 
     extra, keys = MODES[mode]
-    cfg = load_config("configs/cdg.yaml", [*TINY, *extra, f"algorithm.mode={mode}", f"run.output_dir={tmp_path}",
-                                           f"run.name=cdg-{mode}"])
+    cfg = load_config("configs/cdg.yaml", [*TINY, *extra, f"algorithm.mode={mode.split('-')[0]}",
+                                           f"run.output_dir={tmp_path}", f"run.name=cdg-{mode}"])
     controller = Controller(cfg, tmp_path / mode, progress=False)
     summary = controller.run()
     rows = [json.loads(l) for l in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
@@ -396,7 +442,7 @@ def test_two_steps_on_a_local_cluster(ray_cluster, tmp_path, mode):
             assert key in row, key
         assert all(v == v for v in row.values() if isinstance(v, float))  # no NaN
     version = ray_cluster.get(controller.workers[0].policy_version.remote())
-    if mode == "online":
+    if mode.startswith("online"):
         assert rows[0]["samples"] == 4 * 2 * 2 * (1 + 2) and version == 2
         return
     # rest: step 1 plays (no update), step 2 fine-tunes on the pool
