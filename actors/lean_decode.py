@@ -1,4 +1,4 @@
-"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral): the
+"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral, Phi-3): the
 rollout backend's fast path in place of `model.generate` (issue 10).
 
 What it saves over `generate` on a small model (profiled on the quickstart's, batch 32):
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from rlsys.generation import interpolated_logits
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "phi3")
 
 
 def attends_to_whole_context(cfg) -> bool:
@@ -37,18 +37,26 @@ def attends_to_whole_context(cfg) -> bool:
 
 
 def supports_lean_decode(model) -> bool:
-    """A decoder whose layers are exactly: RMSNorm, q/k/v/o projections (Qwen3: an RMSNorm of
-    each query and key head) with rotary and (grouped-query) softmax attention over the whole
-    context, RMSNorm, SiLU-gated MLP."""
+    """A decoder whose layers are exactly: RMSNorm, q/k/v/o projections (Phi-3: q/k/v as one;
+    Qwen3: an RMSNorm of each query and key head) with rotary over the whole head and
+    (grouped-query) softmax attention over the whole context, RMSNorm, SiLU-gated MLP (Phi-3:
+    gate/up as one)."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
     if not attends_to_whole_context(cfg) or getattr(cfg, "hidden_act", None) != "silu":
         return False
-    layer = model.model.layers[0]
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     head_norms = ("q_norm", "k_norm") if cfg.model_type == "qwen3" else ()
-    return all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", *head_norms)) and \
-        all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+    qkv = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    gate_up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
+    if not (all(hasattr(attn, p) for p in (*qkv, "o_proj", *head_norms)) and
+            all(hasattr(mlp, p) for p in (*gate_up, "down_proj"))):
+        return False
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    probe = model.model.embed_tokens.weight[:1]
+    cos, _ = model.model.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device))
+    return cos.shape[-1] == head_dim  # a partial rotary (Phi-4-mini's 0.75) is not this loop's
 
 
 def norm_eps(norm, like: torch.Tensor) -> torch.Tensor:
@@ -146,20 +154,31 @@ class LeanDecoder:
         into the query norm's weight instead, as a norm undoes a scale before it); o and down
         transposed for `addmm`, which adds the residual in the same call. No module is called
         per step."""
-        def cat(mods, scales, norm):
-            weight = torch.cat([m.weight * s for m, s in zip(mods, scales)]) * norm.weight
-            if all(m.bias is None for m in mods):
+        def cat(pieces, scales, norm):
+            """[(weight, bias)] pieces stacked by rows, each times its scale, times the norm's weight."""
+            weight = torch.cat([w * s for (w, _), s in zip(pieces, scales)]) * norm.weight
+            if all(b is None for _, b in pieces):
                 return weight, None
-            return weight, torch.cat([(m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])) * s
-                                      for m, s in zip(mods, scales)])
+            return weight, torch.cat([(b if b is not None else w.new_zeros(w.shape[0])) * s
+                                      for (w, b), s in zip(pieces, scales)])
+
+        def rows(linear, sizes):
+            """A fused projection (Phi-3's qkv_proj, gate_up_proj) as (weight, bias) row blocks."""
+            biases = linear.bias.split(sizes) if linear.bias is not None else [None] * len(sizes)
+            return list(zip(linear.weight.split(sizes), biases))
 
         self.final_eps = norm_eps(self.model.model.norm, self.model.model.norm.weight)
         fused = []
         q_scale = 1.0 if self.head_norms else self.scale
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for layer in self.model.model.layers:
             a, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            fused.append({"qkv": cat((a.q_proj, a.k_proj, a.v_proj), (q_scale, 1.0, 1.0), norm1),
-                          "gate_up": cat((mlp.gate_proj, mlp.up_proj), (1.0, 1.0), norm2),
+            qkv = (rows(a.qkv_proj, [q_rows, kv_rows, kv_rows]) if hasattr(a, "qkv_proj")
+                   else [(m.weight, m.bias) for m in (a.q_proj, a.k_proj, a.v_proj)])
+            gate_up = (rows(mlp.gate_up_proj, [mlp.gate_up_proj.weight.shape[0] // 2] * 2) if hasattr(mlp, "gate_up_proj")
+                       else [(m.weight, m.bias) for m in (mlp.gate_proj, mlp.up_proj)])
+            fused.append({"qkv": cat(qkv, (q_scale, 1.0, 1.0), norm1),
+                          "gate_up": cat(gate_up, (1.0, 1.0), norm2),
                           "o": (a.o_proj.weight.t(), a.o_proj.bias), "down": (mlp.down_proj.weight.t(), mlp.down_proj.bias),
                           "eps1": norm_eps(norm1, norm1.weight), "eps2": norm_eps(norm2, norm2.weight)})
             if self.head_norms:  # [q heads + kv heads, head_dim]: each head's norm weight, q's times the scale

@@ -272,9 +272,19 @@ PROXIES = {}  # handle -> its ProgramObject: the same object in the program is t
 
 
 def gone(during):
+    """The program's end of the pipe closed: why (its exit status), once; it stays gone."""
     if not GONE:
-        _, status = os.waitpid(CHILD, 0)
-        how = "killed by signal %d" % os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited (code %d)" % os.WEXITSTATUS(status)
+        for _ in range(50):  # exiting, it closes its files just before its status is ready
+            pid, status = os.waitpid(CHILD, os.WNOHANG)
+            if pid:
+                break
+            time.sleep(0.002)
+        else:  # alive with its pipe closed
+            os.kill(CHILD, 9)
+            os.waitpid(CHILD, 0)
+            status = None
+        how = ("closed its pipe to the judge" if status is None else "killed by signal %d" % os.WTERMSIG(status)
+               if os.WIFSIGNALED(status) else "exited (code %d)" % os.WEXITSTATUS(status))
         GONE.append("the program's process %s %s" % (how, during))
     raise ProgramGone(GONE[0])
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from actors.lean_decode import sample_next, supports_lean_decode
@@ -60,6 +60,14 @@ def mistral(sliding_window=None):
     return model
 
 
+def phi3(**config):
+    """Phi-3: q/k/v in one projection and gate/up in another (split by the loop's fusing)."""
+    model = tiny(Phi3Config, Phi3ForCausalLM, 7, **config)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)
+    return model
+
+
 def both(model, requests):
     lean = HFBackend("unused", model=model, decode="lean")
     plain = HFBackend("unused", model=model, decode="generate")
@@ -67,7 +75,7 @@ def both(model, requests):
     return lean.generate(requests), plain.generate(requests)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral, phi3])
 def test_greedy_tokens_and_logprobs_match_generate(make):
     model = make()
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -83,7 +91,7 @@ def test_greedy_tokens_and_logprobs_match_generate(make):
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral, phi3])
 def test_a_prompt_sampled_n_times_is_prefilled_once_and_decodes_as_generate(make, monkeypatch):
     from actors.lean_decode import LeanDecoder
 
@@ -179,6 +187,7 @@ def test_fused_weights_follow_arrays_rewritten_in_place_and_in_place_edits(one_t
 
 def test_other_architectures_fall_back_to_generate(one_torch_thread):
     assert not supports_lean_decode(mistral(sliding_window=16))  # a window shorter than the context: not ours
+    assert not supports_lean_decode(phi3(partial_rotary_factor=0.5))  # rotary over half of each head
     cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).eval()

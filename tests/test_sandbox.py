@@ -150,6 +150,9 @@ def test_program_that_exits_or_hangs_fails_its_tests(backend):
     mid = backend.run(ExecRequest(code, tests=tests))
     assert [t.passed for t in mid.tests] == [True, False, False], mid
     assert all("exited (code 3) during this test" in t.message for t in mid.tests[1:]), mid
+    code = "import os, time\ndef f():\n    for fd in range(3, 64):\n        try:\n            os.close(fd)\n        except OSError:\n            pass\n    time.sleep(60)\n"
+    closes = backend.run(ExecRequest(code, tests=[TestCase(code="f()")], limits=Limits(wall_time_s=20)))
+    assert "closed its pipe to the judge during this test" in closes.tests[0].message and closes.wall_time < 10, closes
     hangs = backend.run(ExecRequest("while True:\n    pass\n", tests=[TestCase(code="pass")],
                                     limits=Limits(wall_time_s=1.5)))
     assert hangs.status == "timeout" and not hangs.tests[0].passed, hangs
