@@ -48,6 +48,39 @@ def test_decoder_functions_match_transformers(weights, prompt, hf):
     torch.testing.assert_close(plain_logits(weights, prompt), hf.logits[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("architecture", ["qwen3", "llama", "mistral", "phi3"])
+def test_decoder_functions_match_every_tiny_architecture(architecture):
+    """Qwen3's per-head query/key norms (weights away from 1), Phi-3's fused projections, and the
+    others: every hidden state, and the Cascade logits, equal transformers'."""
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, architecture=architecture)
+    model = build_tiny_model(spec, seed=2).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in ("q_norm", "k_norm"):
+                if hasattr(layer.self_attn, norm):
+                    getattr(layer.self_attn, norm).weight.uniform_(0.5, 2.0)
+    w = DecoderWeights.from_hf(model)
+    ids = random_prompts(1, 12, model.config.vocab_size, seed=3)[0]
+    with torch.no_grad():
+        out = model(ids[None], output_hidden_states=True)
+    for a, b in zip(hidden_states(w, ids), out.hidden_states):
+        torch.testing.assert_close(a, b[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cascade_forward(w, ids, c_delta_shards(12, 2, 2)).logits, out.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decoders_it_does_not_implement_are_refused():
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    for architecture, extra, why in [("mistral", {"sliding_window": 16}, "sliding-window"),
+                                     ("phi3", {"partial_rotary_factor": 0.5}, "partial RoPE")]:
+        cfg = dataclasses.replace(spec, architecture=architecture).config(64, **extra)
+        with pytest.raises(ValueError, match=why):
+            DecoderWeights.from_hf(AutoModelForCausalLM.from_config(cfg))
+
+
 def _full_causal(q, k, v):
     groups = q.shape[1] // k.shape[1]
     return torch.nn.functional.scaled_dot_product_attention(

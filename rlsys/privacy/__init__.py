@@ -1,8 +1,8 @@
 """Privacy side module: the vocabulary-matching hidden-state inversion attack and Cascade,
 a token-sharded forward pass whose parties each see too few rows for that attack.
 
-- `decoder`: a Llama/Qwen2 forward as pure functions on plain tensors, attention as exactly
-  merged partial blocks (log-sum-exp).
+- `decoder`: a Llama-family forward (Llama, Qwen2, Qwen3, Mistral, Phi-3) as pure functions on
+  plain tensors, attention as exactly merged partial blocks (log-sum-exp).
 - `attack`: views (plain, row/entry-permuted, one party's rows) and the attack on them.
 - `cascade`: (c, delta)-sharding and the sharded forward, parties in-process or Ray actors.
 - `cli`: `rlsys privacy attack`.

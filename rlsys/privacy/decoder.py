@@ -1,5 +1,7 @@
 """A decoder forward pass split into its token-local and attention parts, as pure functions
-of plain weight tensors (no transformers import), for Llama/Qwen2-style models.
+of plain weight tensors (no transformers import), for Llama-family models (Llama, Qwen2,
+Qwen3 with its per-head query/key norms, Mistral without a sliding window, Phi-3's fused
+projections).
 
 Cascade (Thomas et al., 2025, "Cascade: Token-Sharded Private LLM Inference") runs the
 token-local parts (norms, QKV and output projections, MLP) on compute parties and the
@@ -42,6 +44,8 @@ class LayerWeights:
     gate_w: Tensor
     up_w: Tensor
     down_w: Tensor
+    q_norm: Tensor | None = None  # Qwen3: an RMSNorm of each query head, and of each key head
+    k_norm: Tensor | None = None
 
 
 @dataclass
@@ -69,37 +73,52 @@ class DecoderWeights:
 
     @classmethod
     def from_hf(cls, model) -> "DecoderWeights":
-        """Detached copies of a transformers Llama/Qwen2 causal LM's tensors (float32).
+        """Detached copies of a transformers Llama-family causal LM's tensors (float32), a fused
+        q/k/v or gate/up projection (Phi-3) split into its parts.
 
         Raises ValueError for what these functions do not implement (non-SiLU MLPs, sliding
-        window layers, dynamic RoPE)."""
+        window layers, dynamic or partial RoPE)."""
         cfg = model.config
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: only silu MLPs are supported")
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or \
+                (window is not None and window < cfg.max_position_embeddings):
             raise ValueError("sliding-window layers are not supported; use full attention")
         rotary = model.model.rotary_emb
         if "dynamic" in getattr(rotary, "rope_type", "default"):
             raise ValueError(f"rope_type={rotary.rope_type!r}: dynamic RoPE is not supported")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if 2 * rotary.inv_freq.numel() != head_dim:
+            raise ValueError(f"RoPE over {2 * rotary.inv_freq.numel()} of {head_dim} head dims: partial RoPE is not supported")
 
         def t(x):
             return None if x is None else x.detach().to(torch.float32).clone()
 
+        def parts(linear, sizes):
+            """A fused projection's (weight, bias) row blocks."""
+            biases = linear.bias.split(sizes) if linear.bias is not None else [None] * len(sizes)
+            return [(t(w), t(b)) for w, b in zip(linear.weight.split(sizes), biases)]
+
+        q_rows, kv_rows = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
         layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
+            (q_w, q_b), (k_w, k_b), (v_w, v_b) = (parts(a.qkv_proj, [q_rows, kv_rows, kv_rows]) if hasattr(a, "qkv_proj")
+                                                  else [(t(p.weight), t(p.bias)) for p in (a.q_proj, a.k_proj, a.v_proj)])
+            (gate_w, _), (up_w, _) = (parts(m.gate_up_proj, [m.gate_up_proj.weight.shape[0] // 2] * 2)
+                                      if hasattr(m, "gate_up_proj") else [(t(m.gate_proj.weight), None), (t(m.up_proj.weight), None)])
             layers.append(
                 LayerWeights(
                     input_norm=t(layer.input_layernorm.weight),
-                    q_w=t(a.q_proj.weight), q_b=t(a.q_proj.bias),
-                    k_w=t(a.k_proj.weight), k_b=t(a.k_proj.bias),
-                    v_w=t(a.v_proj.weight), v_b=t(a.v_proj.bias),
+                    q_w=q_w, q_b=q_b, k_w=k_w, k_b=k_b, v_w=v_w, v_b=v_b,
                     o_w=t(a.o_proj.weight), o_b=t(a.o_proj.bias),
                     post_norm=t(layer.post_attention_layernorm.weight),
-                    gate_w=t(m.gate_proj.weight), up_w=t(m.up_proj.weight), down_w=t(m.down_proj.weight),
+                    gate_w=gate_w, up_w=up_w, down_w=t(m.down_proj.weight),
+                    q_norm=t(getattr(getattr(a, "q_norm", None), "weight", None)),
+                    k_norm=t(getattr(getattr(a, "k_norm", None), "weight", None)),
                 )
             )
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cls(
             embed=t(model.model.embed_tokens.weight),
             layers=layers,
@@ -148,10 +167,12 @@ def project_qkv(w: DecoderWeights, layer: LayerWeights, h: Tensor, positions: Te
     absolute `positions` [n] -> q [B, H, n, hd], k and v [B, H_kv, n, hd]."""
     x = rms_norm(h, layer.input_norm, w.norm_eps)
     cos, sin = rope_cos_sin(w, positions)
-    q = apply_rope(_heads(_linear(x, layer.q_w, layer.q_b), w.n_heads, w.head_dim), cos, sin)
-    k = apply_rope(_heads(_linear(x, layer.k_w, layer.k_b), w.n_kv_heads, w.head_dim), cos, sin)
+    q = _heads(_linear(x, layer.q_w, layer.q_b), w.n_heads, w.head_dim)
+    k = _heads(_linear(x, layer.k_w, layer.k_b), w.n_kv_heads, w.head_dim)
+    if layer.q_norm is not None:  # Qwen3: each head normed before the rotation
+        q, k = rms_norm(q, layer.q_norm, w.norm_eps), rms_norm(k, layer.k_norm, w.norm_eps)
     v = _heads(_linear(x, layer.v_w, layer.v_b), w.n_kv_heads, w.head_dim)
-    return q, k, v
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def partial_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
