@@ -1,4 +1,4 @@
-"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral, Phi-3): the
+"""A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral, Phi-3, Gemma): the
 rollout backend's fast path in place of `model.generate` (issue 10).
 
 What it saves over `generate` on a small model (profiled on the quickstart's, batch 32):
@@ -24,7 +24,17 @@ import torch.nn.functional as F
 
 from rlsys.generation import interpolated_logits
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "phi3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "phi3", "gemma")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # Gemma's is the second
+
+
+def activation_name(cfg) -> str | None:
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+
+
+def norm_weight(norm, offset: float) -> torch.Tensor:
+    """What an RMSNorm multiplies the normalised row by: its weight, or Gemma's 1 + weight."""
+    return norm.weight + offset if offset else norm.weight
 
 
 def attends_to_whole_context(cfg) -> bool:
@@ -40,11 +50,12 @@ def supports_lean_decode(model) -> bool:
     """A decoder whose layers are exactly: RMSNorm, q/k/v/o projections (Phi-3: q/k/v as one;
     Qwen3: an RMSNorm of each query and key head) with rotary over the whole head and
     (grouped-query) softmax attention over the whole context, RMSNorm, SiLU-gated MLP (Phi-3:
-    gate/up as one)."""
+    gate/up as one; Gemma: tanh-GELU-gated, its norms scale by 1 + weight and its embeddings
+    by sqrt(hidden))."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
-    if not attends_to_whole_context(cfg) or getattr(cfg, "hidden_act", None) != "silu":
+    if not attends_to_whole_context(cfg) or activation_name(cfg) not in ACTIVATIONS:
         return False
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     head_norms = ("q_norm", "k_norm") if cfg.model_type == "qwen3" else ()
@@ -130,6 +141,8 @@ class LeanDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.head_norms = hasattr(model.model.layers[0].self_attn, "q_norm")  # Qwen3
+        self.norm_offset = 1.0 if cfg.model_type == "gemma" else 0.0  # Gemma's norms: x_normed * (1 + w)
+        self.act = ACTIVATIONS[activation_name(cfg)]
         self._fused, self._fused_of = None, None
 
     def weights_changed(self) -> None:
@@ -156,7 +169,7 @@ class LeanDecoder:
         per step."""
         def cat(pieces, scales, norm):
             """[(weight, bias)] pieces stacked by rows, each times its scale, times the norm's weight."""
-            weight = torch.cat([w * s for (w, _), s in zip(pieces, scales)]) * norm.weight
+            weight = torch.cat([w * s for (w, _), s in zip(pieces, scales)]) * norm_weight(norm, self.norm_offset)
             if all(b is None for _, b in pieces):
                 return weight, None
             return weight, torch.cat([(b if b is not None else w.new_zeros(w.shape[0])) * s
@@ -168,6 +181,7 @@ class LeanDecoder:
             return list(zip(linear.weight.split(sizes), biases))
 
         self.final_eps = norm_eps(self.model.model.norm, self.model.model.norm.weight)
+        self.final_weight = norm_weight(self.model.model.norm, self.norm_offset)
         fused = []
         q_scale = 1.0 if self.head_norms else self.scale
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -182,8 +196,9 @@ class LeanDecoder:
                           "o": (a.o_proj.weight.t(), a.o_proj.bias), "down": (mlp.down_proj.weight.t(), mlp.down_proj.bias),
                           "eps1": norm_eps(norm1, norm1.weight), "eps2": norm_eps(norm2, norm2.weight)})
             if self.head_norms:  # [q heads + kv heads, head_dim]: each head's norm weight, q's times the scale
-                fused[-1]["head_norm"] = torch.cat([(a.q_norm.weight * self.scale).expand(self.num_heads, -1),
-                                                    a.k_norm.weight.expand(self.num_kv_heads, -1)])
+                q_norm, k_norm = norm_weight(a.q_norm, self.norm_offset), norm_weight(a.k_norm, self.norm_offset)
+                fused[-1]["head_norm"] = torch.cat([(q_norm * self.scale).expand(self.num_heads, -1),
+                                                    k_norm.expand(self.num_kv_heads, -1)])
                 fused[-1]["eps_head"] = norm_eps(a.q_norm, a.q_norm.weight)
         return fused
 
@@ -204,6 +219,9 @@ class LeanDecoder:
         core = self.model.model
         b, t = ids.shape
         h = F.embedding(ids.reshape(-1), core.embed_tokens.weight)  # [B*T, hidden], this call's own tensor
+        embed_scale = getattr(core.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
+        if embed_scale is not None:
+            h = h * embed_scale.to(h.dtype)
         end = start + t
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
         cos_sin = rotary[positions.reshape(-1)]
@@ -229,9 +247,9 @@ class LeanDecoder:
                 out = out.transpose(1, 2).reshape(b * t, nh * d)
             h = residual_linear(h, out, *w["o"])
             gate, up = F.linear(h * rms_scale(h, w["eps2"]), *w["gate_up"]).chunk(2, dim=-1)
-            h = residual_linear(h, F.silu(gate).mul_(up), *w["down"])
+            h = residual_linear(h, self.act(gate).mul_(up), *w["down"])
         last = h.view(b, t, -1)[:, -1]
-        return last * rms_scale(last, self.final_eps) * core.norm.weight
+        return last * rms_scale(last, self.final_eps) * self.final_weight
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, total: int) -> "DecodeStream":
         """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that

@@ -255,10 +255,10 @@ class CDG:
         if self.phase == "online" and (c.kl_coef > 0 or self.needs_value_head):
             table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         if self.phase == "online" and self.needs_value_head:
-            table = set_token_column(table, "values", self.values(ctx, table))
+            table = set_token_column(table, "values", self.values_by_model(ctx, table))
         return table
 
-    def values(self, ctx, table: pa.Table) -> list:
+    def values_by_model(self, ctx, table: pa.Table) -> list:
         """Each row's value estimates from the value head of the model that plays its role."""
         out = [None] * table.num_rows
         for name, rows in rows_per_model([m["role"] for m in meta_of(table)], self.models).items():
@@ -334,7 +334,8 @@ class CDG:
         return out
 
     def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
-        """Every row of a supervised (ReST) batch; in online play, as GRPO."""
+        """Every row of a supervised (ReST) batch or of an online gae batch (each trains the value
+        head); in online GRPO, the rows with a nonzero advantage or a KL term."""
         if "sft" in batch.extras or self.needs_value_head:  # gae: every row trains the value head
             return torch.ones(len(batch), dtype=torch.bool)
         return rows_with_gradient(batch, self.config.kl_coef)

@@ -31,7 +31,7 @@ class RunConfig(Section):
     output_dir: str = "runs"
 
 
-Architecture = Literal["qwen2", "qwen3", "llama", "mistral", "phi3"]  # Llama-family decoders the tiny factory builds
+Architecture = Literal["qwen2", "qwen3", "llama", "mistral", "phi3", "gemma"]  # Llama-family decoders the tiny factory builds
 
 
 class ModelConfig(Section):

@@ -365,7 +365,7 @@ def test_gae_mode_is_ppo_with_a_value_head_stepping_over_the_critique(tokenizer,
     """advantage=gae: a value head only in online play; the episode reward sits on a row's last
     token and GAE steps over the tokens its model did not write (in the prover's row, the
     critique), so with zero values the advantage at z's last token is lam^len(z') x reward; the
-    loss is PPO's, value loss included; `values` asks each row's own model."""
+    loss is PPO's, value loss included; `values_by_model` asks each row's own model."""
     from algorithms.base import ModelOutputs
     from algorithms.ppo import ppo_loss
 
@@ -383,7 +383,7 @@ def test_gae_mode_is_ppo_with_a_value_head_stepping_over_the_critique(tokenizer,
             return [[0.0] * len(r) for r in part.column("response_ids").to_pylist()]
 
     ctx = ValueContext()
-    values = algo.values(ctx, table)
+    values = algo.values_by_model(ctx, table)
     assert sorted(ctx.asked) == [("critic", ["helpful", "misleading"]), ("prover", ["prover"])]
     from algorithms.base import set_token_column
 

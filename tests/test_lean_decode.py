@@ -5,8 +5,8 @@ fallback for other models (and for a Mistral whose sliding window is shorter tha
 import numpy as np
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from actors.lean_decode import sample_next, supports_lean_decode
@@ -68,6 +68,18 @@ def phi3(**config):
     return model
 
 
+def gemma():
+    """Gemma: norms that scale by 1 + weight (weights away from 0, so the offset matters),
+    embeddings scaled by sqrt(hidden), a tanh-GELU-gated MLP, tied embeddings."""
+    model = tiny(GemmaConfig, GemmaForCausalLM, 8, head_dim=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+        model.model.norm.weight.fill_(3.0)
+    return model
+
+
 def both(model, requests):
     lean = HFBackend("unused", model=model, decode="lean")
     plain = HFBackend("unused", model=model, decode="generate")
@@ -75,7 +87,7 @@ def both(model, requests):
     return lean.generate(requests), plain.generate(requests)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral, phi3])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral, phi3, gemma])
 def test_greedy_tokens_and_logprobs_match_generate(make):
     model = make()
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -91,7 +103,7 @@ def test_greedy_tokens_and_logprobs_match_generate(make):
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral, phi3])
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral, phi3, gemma])
 def test_a_prompt_sampled_n_times_is_prefilled_once_and_decodes_as_generate(make, monkeypatch):
     from actors.lean_decode import LeanDecoder
 

@@ -23,7 +23,7 @@ def test_tokenizer_and_model_round_trip(tmp_path):
         assert torch.equal(model(x).logits, model2(x).logits)
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama", "mistral", "phi3"])
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama", "mistral", "phi3", "gemma"])
 def test_every_tiny_architecture_round_trips_and_runs_the_lean_decode_loop(tmp_path, architecture):
     """`model.architecture`: the tiny factory builds each Llama-family type with head_dim =
     hidden / heads, saves it, loads it back with from_pretrained to the same logits, and the
