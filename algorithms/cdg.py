@@ -47,7 +47,7 @@ from typing import Literal, Sequence
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from algorithms.base import AlgorithmConfig, ModelOutputs, register, rewards_of, set_token_column
 from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
@@ -89,6 +89,13 @@ class CDGConfig(AlgorithmConfig):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     whiten_advantages: bool = True
+
+    @field_validator("advantage")
+    @classmethod
+    def _gae_is_online(cls, advantage, info):
+        if advantage == "gae" and info.data.get("mode") == "rest":
+            raise ValueError("'gae' is for mode online (ReST rounds fine-tune by SFT, no value head)")
+        return advantage
     # rest
     play_steps: int = Field(1, ge=1, description="steps of play per ReST round")
     sft_steps: int = Field(1, ge=1, description="supervised steps per ReST round")

@@ -351,10 +351,14 @@ def test_bad_config_is_one_line_error():
 
     for override, key in [("algorithm.mode=offline", "algorithm.mode"), ("algorithm.eta=-1", "algorithm.eta"),
                           ("algorithm.helpful_threshold=1.5", "algorithm.helpful_threshold"),
-                          ("algorithm.rounds=2", "algorithm.rounds"), ("algorithm.models=two", "algorithm.models")]:
+                          ("algorithm.rounds=2", "algorithm.rounds"), ("algorithm.models=two", "algorithm.models"),
+                          ("algorithm.advantage=ppo", "algorithm.advantage")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
             build_algorithm(load_config("configs/cdg.yaml", [override]))
         assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="'gae' is for mode online") as e:
+        build_algorithm(load_config("configs/cdg.yaml", ["algorithm.mode=rest", "algorithm.advantage=gae"]))
+    assert "\n" not in str(e.value)
     for override in ("rollout.backend=vllm", "trainer.weight_sync=broadcast"):  # one model per role: hf, object store
         with pytest.raises(ConfigError, match="trains 3 policies") as e:
             build_algorithm(load_config("configs/cdg.yaml", ["algorithm.models=per_role", override]))
@@ -369,7 +373,7 @@ def test_gae_mode_is_ppo_with_a_value_head_stepping_over_the_critique(tokenizer,
     from algorithms.base import ModelOutputs
     from algorithms.ppo import ppo_loss
 
-    assert not CDG(CDGConfig()).needs_value_head and not CDG(CDGConfig(mode="rest", advantage="gae")).needs_value_head
+    assert not CDG(CDGConfig()).needs_value_head and not CDG(CDGConfig(mode="rest")).needs_value_head
     algo = CDG(CDGConfig(advantage="gae", kl_coef=0.0, whiten_advantages=False, lam=0.9, models="prover_critic"))
     assert algo.needs_value_head
     games, _ = play(tokenizer, templates)
