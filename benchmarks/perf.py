@@ -143,19 +143,20 @@ class Bench:
                 torch.zeros(model.lm_head.out_features).index_fill_(0, torch.tensor([eos]), lo), requires_grad=False)
         self.rollout_figure(worker, batch, new, f"<= {new} new, stopping at eos")
 
-    def rollout_qwen3(self, batch: int = 32, new: int = 64):
-        """The fixed-length figure on a random-init Qwen3 of the quickstart policy's sizes (its
-        per-head query/key norms run in the lean loop too)."""
+    def rollout_architecture(self, architecture: str, batch: int = 32, new: int = 64):
+        """The fixed-length figure on a random-init model of another family with the quickstart
+        policy's sizes (Qwen3's per-head norms, Phi-3's fused projections, Gemma's norms and
+        activation all run in the lean loop)."""
         import dataclasses
 
         from actors.rollout import RolloutWorker
         from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir
 
-        spec = dataclasses.replace(TinyModelSpec.from_config(self.cfg.model), architecture="qwen3")
-        model_dir = save_model_dir(build_tiny_model(spec, self.tok), self.tok, Path(self.policy_dir).parent / "qwen3")
+        spec = dataclasses.replace(TinyModelSpec.from_config(self.cfg.model), architecture=architecture)
+        model_dir = save_model_dir(build_tiny_model(spec, self.tok), self.tok, Path(self.policy_dir).parent / architecture)
         worker = RolloutWorker(str(model_dir), "hf", batch_size=64, threads=1)
         assert worker.stats()["lean_decode"]
-        self.rollout_figure(worker, batch, new, f"{new} new, a Qwen3 of the same sizes", min_new_tokens=new)
+        self.rollout_figure(worker, batch, new, f"{new} new, a {architecture} of the same sizes", min_new_tokens=new)
 
     def rollout_figure(self, worker, batch: int, new: int, label: str, **plain_kwargs) -> tuple[float, float]:
         """Tokens/s of `worker.generate` vs plain `generate` with the worker's model, sampling the same
@@ -562,7 +563,8 @@ def main(argv: list[str]) -> None:
         worker = bench.rollout()
     if "rollout" in only:
         bench.rollout_variable_length()
-        bench.rollout_qwen3()
+        for architecture in ("qwen3", "phi3", "gemma"):
+            bench.rollout_architecture(architecture)
     if "reference" in only:
         bench.reference()
     if "reward" in only:
