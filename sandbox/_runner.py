@@ -9,7 +9,7 @@
 # Values cross the pipe between them as plain data (numbers, strings, bytes and containers of
 # them: `encode` / `decode`, JSON, never pickle). Any other object stays in the program's
 # process; the judge holds a `ProgramObject` for it, which refuses to stand for a plain value
-# (comparing it with one, its truth value or `in`: the program's own methods would answer).
+# (comparing it with one, `in`, or a truth value its own `__bool__`/`__len__` would give).
 # So the comparisons that decide a test run on values in a process the program never ran in,
 # whatever the program patches, walks or plants. The judge is not dumpable from before the
 # fork (the program can read neither its memory nor its fds), imports nothing from a directory
@@ -138,7 +138,8 @@ def program_process(requests, replies):
         if key not in index:
             index[key] = len(objects)
             objects.append(value)  # kept alive, so an id is never reused
-        ref = [index[key], type(value).__qualname__]
+        default_truth = not any(hasattr(type(value), m) for m in ("__bool__", "__len__"))
+        ref = [index[key], type(value).__qualname__, default_truth]
         return {"m": [value.__name__, *ref]} if isinstance(value, types.ModuleType) else {"h": ref}
 
     def encoded(value):
@@ -308,9 +309,9 @@ def proxy(tag, ref):
                 return importlib.import_module(name)  # the judge's own copy: the program may have patched its one
             except Exception:  # noqa: BLE001 - e.g. tkinter without its library: the program's one, then
                 pass
-    idx, type_name = int.__index__(ref[0]), str.__str__(ref[1])
+    idx, type_name, default_truth = int.__index__(ref[0]), str.__str__(ref[1]), ref[2] is True
     if idx not in PROXIES:
-        PROXIES[idx] = ProgramObject(idx, type_name)
+        PROXIES[idx] = ProgramObject(idx, type_name, default_truth)
     return PROXIES[idx]
 
 
@@ -373,13 +374,16 @@ def refuse(obj, what):
 class ProgramObject:
     """An object that lives in the program's process; each use of it is a request there. It
     compares only with other program objects (the program's own methods answer): with a plain
-    value, as a truth value or for `in`, it refuses (AssertionError), because the program's
-    methods would answer for the test."""
-    __slots__ = ("_rlsys_id", "_rlsys_type")
+    value, for `in`, or as a truth value when its class has `__bool__` or `__len__`, it refuses
+    (AssertionError), because the program's methods would answer for the test. Without them its
+    truth is Python's default, True (the program's process says which: a lie buys no more than
+    returning a bare `object()` would)."""
+    __slots__ = ("_rlsys_id", "_rlsys_type", "_rlsys_default_truth")
 
-    def __init__(self, idx, type_name):
+    def __init__(self, idx, type_name, default_truth=False):
         object.__setattr__(self, "_rlsys_id", idx)
         object.__setattr__(self, "_rlsys_type", type_name)
+        object.__setattr__(self, "_rlsys_default_truth", default_truth)
 
     def __getattr__(self, name):
         return ask("getattr", self, name)
@@ -415,6 +419,8 @@ class ProgramObject:
         return object.__hash__(self)
 
     def __bool__(self):
+        if self._rlsys_default_truth:
+            return True
         refuse(self, "truth value")
 
     def __contains__(self, item):

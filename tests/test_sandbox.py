@@ -290,6 +290,7 @@ def test_honest_programs_pass_across_the_process_boundary(backend):
 def test_program_objects_are_used_through_their_process(backend):
     """What tests do with the program's objects works across the process boundary: methods and
     state, attributes, generators, arithmetic and comparisons between its objects, isinstance,
+    the default truth of an object whose class has no __bool__ / __len__ (a linked list walked),
     its exceptions as the builtin class they derive from (args kept, its line in the message),
     its globals and stdlib modules, keyword arguments, arguments it changes in place, and plain
     values of every kind."""
@@ -304,7 +305,10 @@ def test_program_objects_are_used_through_their_process(backend):
             "def kw(a, *, b=1):\n    return a * b\n"
             "def fact(n):\n    return math.factorial(n)\n"
             "def half():\n    return fractions.Fraction(1, 2), collections.deque([1]), 2 + 3j, float('inf')\n"
-            "def sort_in_place(xs, seen):\n    xs.sort()\n    seen['n'] = len(xs)\n")
+            "def sort_in_place(xs, seen):\n    xs.sort()\n    seen['n'] = len(xs)\n"
+            "class Node:\n    def __init__(self, val, next=None):\n        self.val, self.next = val, next\n"
+            "def reverse(node):\n    prev = None\n    while node:\n        node.next, prev, node = prev, node, node.next\n    return prev\n"
+            "class Bag:\n    def __len__(self):\n        return 1\n")
     tests = ["s = Stack()\nassert s.push(1).push(2) is s and s.pop() == 2 and s.items == [1]\ns.items = [7]\nassert s.pop() == 7",
              "try:\n    Stack().pop()\n    assert False\nexcept IndexError as e:\n    assert str(e) == 'pop from an empty stack'",
              "assert list(gen(3)) == [0, 1, 2] and sum(x for x in gen(4)) == 6",
@@ -314,13 +318,15 @@ def test_program_objects_are_used_through_their_process(backend):
              "assert math.sqrt(4) == 2 and kw(3, b=2) == 6 and fact(2000) == math.factorial(2000)",
              "import fractions, collections\nassert half() == (fractions.Fraction(1, 2), collections.deque([1]), 2 + 3j, float('inf'))",
              "xs, seen = [3, 1, 2], {}\nassert sort_in_place(xs, seen) is None and xs == [1, 2, 3] and seen == {'n': 3}",
+             "node, vals = reverse(Node(1, Node(2, Node(3)))), []\nwhile node:\n    vals.append(node.val)\n    node = node.next\n"
+             "assert vals == [3, 2, 1] and Stack()",
              "check_sign(-2)",
-             "assert Stack()"]
+             "assert Bag()"]
     res = backend.run(ExecRequest(code, tests=[TestCase(code=t) for t in tests]))
-    assert [t.passed for t in res.tests] == [True] * 9 + [False, False], res
-    assert "ValueError: ('negative', -2)" in res.tests[9].message, res
-    assert "raised in the program Bad (as ValueError) at main.py line 24: raise Bad('negative', x)" in res.tests[9].message, res
-    assert "truth value is not trusted" in res.tests[10].message, res
+    assert [t.passed for t in res.tests] == [True] * 10 + [False, False], res
+    assert "ValueError: ('negative', -2)" in res.tests[10].message, res
+    assert "raised in the program Bad (as ValueError) at main.py line 24: raise Bad('negative', x)" in res.tests[10].message, res
+    assert "class Bag stands where a plain value is expected: its own truth value is not trusted" in res.tests[11].message, res
 
 
 # ---------------------------------------------------------------- HumanEval
