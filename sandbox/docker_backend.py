@@ -24,6 +24,7 @@ class DockerBackend(base.BaseBackend):
     `sandbox image` imported."""
 
     name = "docker"
+    runner_bytecode = False  # see BaseBackend
 
     def __init__(self, base_url: str | None = None, image: str = IMAGE, isolation: str = "warm"):
         import docker

@@ -254,6 +254,18 @@ def test_reward_hacks_fail_their_tests(backend, hack):
         assert "expected 2, got 7" in res.tests[0].message, res
 
 
+def test_runner_starts_from_bytecode_or_from_source_when_the_magic_differs(backend, monkeypatch):
+    """bwrap: the host ships the runner compiled (its Python's magic number first) and as source;
+    a sandbox Python of another version compiles the source instead (docker ships the source only)."""
+    from sandbox import harness
+
+    request = ExecRequest("def f(x):\n    return x + 1\n", tests=[TestCase(code="assert f(1) == 2"),
+                                                              TestCase(code="assert f(1) == 3")])
+    for bytecode in (harness.BYTECODE, b"\0\0\r\n" + harness.BYTECODE[4:]):
+        monkeypatch.setattr(harness, "BYTECODE", bytecode)
+        assert [t.passed for t in backend.run(request).tests] == [True, False]
+
+
 def test_io_cases_run_before_the_program_can_patch_their_runner(backend):
     """A patched subprocess.run that fakes the expected output must not reach the io cases."""
     code = ("import subprocess\nclass Faked:\n    returncode, stdout, stderr = 0, b'3\\n', b''\n"
