@@ -182,6 +182,8 @@ class LeanDecoder:
 
         self.final_eps = norm_eps(self.model.model.norm, self.model.model.norm.weight)
         self.final_weight = norm_weight(self.model.model.norm, self.norm_offset)
+        scale = getattr(self.model.model.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
+        self.embed_scale = None if scale is None else scale.to(self.model.model.embed_tokens.weight.dtype)
         fused = []
         q_scale = 1.0 if self.head_norms else self.scale
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -219,9 +221,8 @@ class LeanDecoder:
         core = self.model.model
         b, t = ids.shape
         h = F.embedding(ids.reshape(-1), core.embed_tokens.weight)  # [B*T, hidden], this call's own tensor
-        embed_scale = getattr(core.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
-        if embed_scale is not None:
-            h = h * embed_scale.to(h.dtype)
+        if self.embed_scale is not None:  # Gemma
+            h = h * self.embed_scale
         end = start + t
         d, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
         cos_sin = rotary[positions.reshape(-1)]

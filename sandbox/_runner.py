@@ -54,9 +54,7 @@ def encode(value, other, depth=0):
         if base is dict:
             return {"d": [[encode(k, other, depth + 1), encode(v, other, depth + 1)] for k, v in dict.items(value)]}
         return {{list: "l", tuple: "t", set: "s", frozenset: "f"}[base]: enc(base.__iter__(value))}
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
+    if isinstance(value, int):  # a subclass (bool has none: exact bools returned above)
         return int.__index__(value)
     if isinstance(value, float):
         return float.__float__(value)

@@ -27,11 +27,13 @@ class Limits:
 
 @dataclass
 class TestCase:
-    """One test. `kind="assert"`: `code` runs after the program in its namespace and
-    passes when it raises nothing; an assert that compares an object whose comparison (or
-    truth, membership, hash) methods the program wrote with a value it did not make, or takes
-    such an object's truth, fails (an always-equal result is not a pass). `kind="io"`: the program runs with `stdin` and passes
-    when its stdout equals `expected_stdout` (trailing whitespace per line ignored)."""
+    """One test. `kind="assert"`: `code` runs after the program, with the program's globals, in
+    a judge process the program never ran in (sandbox/_runner.py), and passes when it raises
+    nothing; plain values cross from the program as data, and an object of the program's own
+    compared with a plain value, tested with `in`, or asked a truth its `__bool__`/`__len__`
+    would give fails (an always-equal result is not a pass). `kind="io"`: the program runs with
+    `stdin` and passes when its stdout equals `expected_stdout` (trailing whitespace per line
+    ignored)."""
 
     __test__ = False  # not a pytest class
     name: str = ""
