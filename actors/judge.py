@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
+from rlsys.generation import GenerationRequest, SamplingParams
+
 VERDICTS = ("A", "B", "tie")
 UNPARSABLE = "unparsable"
 SECTIONS = ("Plan", "Execution", "Verdict")
@@ -199,8 +201,8 @@ class JudgeWorker:
                  threads: int = 1, options: JudgeOptions | dict | None = None):
         import torch
 
-        from actors.rollout import make_backend
-        from rlsys.models import load_tokenizer
+        from actors.rollout import make_backend  # torch: loaded by the judge worker, not the torch-free parsing here
+        from rlsys.models import load_tokenizer  # torch, as above
 
         torch.set_num_threads(threads)
         self.options = options if isinstance(options, JudgeOptions) else JudgeOptions(**(options or {}))
@@ -217,8 +219,6 @@ class JudgeWorker:
 
     def complete(self, texts: Sequence[str], max_new_tokens: int) -> list[str]:
         """The judge model's continuation of each text."""
-        from rlsys.generation import GenerationRequest, SamplingParams
-
         if not texts:
             return []
         o = self.options

@@ -21,6 +21,10 @@ import torch
 
 from actors.modeling import (PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy,
                              tied_state_dict)
+from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
+from actors.weight_broadcast import BroadcastGroup, weight_manifest
+from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient
+from rlsys.models import load_model
 
 
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
@@ -126,7 +130,6 @@ class Learner:
         """A DeepSpeed engine over the policy in `model_dir` (plus a value head when the
         algorithm needs one) with a fresh AdamW and lr schedule."""
         import deepspeed
-        from rlsys.models import load_model
 
         a = self._engine_args
         policy = load_model(model_dir)
@@ -156,8 +159,6 @@ class Learner:
         """`epochs` passes over `minibatches` shards of this rank's batch, one optimizer
         step per shard. Returns metrics averaged over the optimizer steps. With `shared_slot`
         (trainer.weight_sync=shared_memory) the new weights are then written into that slot."""
-        from algorithms.base import ModelOutputs  # dataclass only; the algorithm came in as an object
-
         start = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
         n = 0
@@ -197,10 +198,9 @@ class Learner:
         Leaving out rows the algorithm's `gradient_rows` says add nothing (GRPO's groups with
         equal rewards and no KL term) gives the same gradient for less compute; a minibatch
         with none keeps one row at factor 0, so the optimizer still steps on a zero gradient."""
-        gradient_rows = getattr(self.algorithm, "gradient_rows", None)
-        if gradient_rows is None:
+        if not isinstance(self.algorithm, SkipsRowsWithoutGradient):
             return mb, 1.0, 0.0
-        keep = gradient_rows(mb)
+        keep = self.algorithm.gradient_rows(mb)
         if bool(keep.all()):
             return mb, 1.0, 0.0
         skipped = 1.0 - float(keep.float().mean())
@@ -252,8 +252,6 @@ class Learner:
         tensors in its dtype: a bf16 learner's file is half an fp32 one's) and returns its
         SharedLayout, or a one-line reason it cannot: /dev/shm lacks `required_free` x the
         file's size. Collective under ZeRO-3 (returns None on other ranks)."""
-        from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
-
         with self._full_policy() as policy_module:
             if self.rank != 0:
                 return None
@@ -298,8 +296,6 @@ class Learner:
                               timeout_s: float) -> int:
         """Rank 0 joins the weight-broadcast group as its sender (rank 0 of that group):
         NCCL from this rank's GPU, or gloo through host memory."""
-        from actors.weight_broadcast import BroadcastGroup
-
         if self.rank == 0:
             if backend == "nccl" and self.device.type != "cuda":
                 raise RuntimeError("the NCCL weight broadcast needs the learner on CUDA; no GPU is visible to rank 0")
@@ -311,8 +307,6 @@ class Learner:
 
     def weight_manifest(self):
         """Names, shapes and dtypes of what `broadcast_weights` sends (rank 0; collective under ZeRO-3)."""
-        from actors.weight_broadcast import weight_manifest
-
         with self._full_policy() as policy:
             return weight_manifest(policy.state_dict().items()) if self.rank == 0 else None
 

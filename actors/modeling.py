@@ -1,15 +1,17 @@
-"""Forward passes shared by the learner and the reference/reward workers."""
+"""The actors' model wrappers (policy with or without a value head) and weight movement (numpy
+state dicts, tied weights, in-place loads); the shared logprob forward lives in rlsys/logprobs.py."""
 from __future__ import annotations
 
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
+
+from rlsys.batch import collate, response_slices
+from rlsys.logprobs import response_logprobs
 
 
 def quiet_transformers() -> None:
@@ -19,115 +21,6 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-
-
-def target_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[:, t+1] | prefix) from logits[:, t]; shape [B, L-1]."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-
-
-def forward_logprobs(model, input_ids, attention_mask, temperature: float = 1.0):
-    """Run the causal LM and return (scaled logits [B,L-1,V], target logprobs [B,L-1], hidden [B,L,H])."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    logits = out.logits
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    return logits[:, :-1], target_logprobs(logits, input_ids), out.hidden_states[-1]
-
-
-@dataclass
-class SharedPromptPasses:
-    """Rows that start with the same prompt (a GRPO group's G responses, a preference pair) run
-    it once: `prefix` is the model's output over the distinct prompts, `rest` its output over
-    every row's tokens after its prompt, computed on that prompt's keys and values (gradients
-    flow back through them)."""
-
-    prefix: Any              # output over the distinct prompts, [P, p, ...]
-    rest: Any                # output over each row's continuation, [B, R, ...]
-    row_of: torch.Tensor     # [B] the row's prompt in `prefix`
-    plen: torch.Tensor       # [B] length of the row's prompt
-    positions: torch.Tensor  # [B, R] sequence position of each continuation token
-
-    def assemble(self, first: torch.Tensor, continuation: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, width, ...] by sequence position: each row's last prompt position from the prompt
-        pass, the rest from the continuation, zeros before (not computed per row)."""
-        b = len(self.plen)
-        rows = torch.arange(b, device=self.plen.device)
-        out = continuation.new_zeros(b, width, *continuation.shape[2:])
-        out[rows, self.plen - 1] = first[self.row_of, self.plen - 1]
-        inside = self.positions < width
-        out[rows[:, None].expand_as(self.positions)[inside], self.positions[inside]] = continuation[inside]
-        return out
-
-    def at(self, first: torch.Tensor, continuation: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """[B, ...]: each row's output at sequence position `index[b]`, from the prompt pass when
-        that lies inside its prompt."""
-        rows = torch.arange(len(self.plen), device=self.plen.device)
-        in_prompt = (index < self.plen).view(-1, *[1] * (first.dim() - 2))
-        from_prompt = first[self.row_of, index.clamp(max=first.shape[1] - 1)]
-        from_rest = continuation[rows, (index - self.plen).clamp(min=0, max=continuation.shape[1] - 1)]
-        return torch.where(in_prompt, from_prompt, from_rest)
-
-
-def shared_prompt_passes(model, input_ids, attention_mask, plen: torch.Tensor, **forward_kwargs) -> SharedPromptPasses | None:
-    """Run each distinct prompt (a row's first `plen[b]` tokens) through `model` once, then every
-    row's remaining tokens on its prompt's cache with their true positions. Rows are
-    right-padded. None when no prompt repeats or some row has nothing after its prompt (the plain
-    forward is then as cheap)."""
-    b = input_ids.shape[0]
-    lengths = attention_mask.sum(1)
-    if bool((plen >= lengths).any()) or bool((plen < 1).any()):
-        return None
-    p = int(plen.max())
-    keyed = torch.where(torch.arange(p, device=input_ids.device)[None] < plen[:, None], input_ids[:, :p], -1)
-    distinct, row_of = torch.unique(keyed, dim=0, return_inverse=True)
-    if len(distinct) == b:
-        return None
-    prompt_mask = distinct.ge(0).long()
-    prefix = model(input_ids=distinct.clamp(min=0), attention_mask=prompt_mask, use_cache=True, **forward_kwargs)
-    cache = prefix.cache
-    cache.batch_select_indices(row_of)  # each row reads its prompt's keys and values
-    positions = plen[:, None] + torch.arange(int((lengths - plen).max()), device=input_ids.device)[None]  # [B, R]
-    real = positions < lengths[:, None]
-    rest_ids = torch.where(real, input_ids.gather(1, positions.clamp(max=input_ids.shape[1] - 1)), 0)
-    rest = model(input_ids=rest_ids, attention_mask=torch.cat([prompt_mask[row_of], real.long()], 1),
-                 position_ids=positions, cache=cache, use_cache=True, **forward_kwargs)
-    return SharedPromptPasses(prefix, rest, row_of, plen, positions)
-
-
-def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature: float = 1.0,
-                           hidden: bool = False):
-    """`forward_logprobs`' (logits, logprobs[, last hidden state]) for rows that share prompts,
-    each distinct prompt run once (`shared_prompt_passes`); the prompt ends where
-    `response_mask` starts. Positions before a row's last prompt token are not computed (zeros,
-    as no loss reads them). None when no prompt repeats."""
-    length = input_ids.shape[1]
-    plen = response_mask.gt(0).float().argmax(1) + 1  # the first response token's target index + 1
-    passes = shared_prompt_passes(model, input_ids, attention_mask, plen, output_hidden_states=hidden)
-    if passes is None:
-        return None
-    logits = passes.assemble(passes.prefix.logits, passes.rest.logits, length - 1)  # t predicts the token at t + 1
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    if not hidden:
-        return logits, logprobs
-    return logits, logprobs, passes.assemble(passes.prefix.hidden_states[-1], passes.rest.hidden_states[-1], length)
-
-
-def response_logprobs(model, input_ids, attention_mask, response_mask=None, temperature: float = 1.0,
-                      hidden: bool = False):
-    """(scaled logits [B,L-1,V], target logprobs [B,L-1][, last hidden state [B,L,H]]), valid at
-    least where `response_mask` is set: prompts that several rows share run once
-    (`shared_prompt_logprobs`); without a mask, or with no repeated prompt, the plain forward
-    (valid everywhere)."""
-    shared = None if response_mask is None else shared_prompt_logprobs(
-        model, input_ids, attention_mask, response_mask, temperature, hidden)
-    if shared is not None:
-        return shared
-    out = forward_logprobs(model, input_ids, attention_mask, temperature)
-    return out if hidden else out[:2]
 
 
 class PolicyWithValueHead(nn.Module):
@@ -283,8 +176,6 @@ def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0) -
     Experience table in chunks and cut each row's response span out of the result.
     `response_span` [B, L-1] is 1 at every response token's target index (environment tokens
     of a multi-turn response included), so a forward may skip what lies before it."""
-    from rlsys.batch import collate, response_slices
-
     out: list[list[float]] = []
     for start, stop in prompt_aligned_chunks(table.column("prompt_ids").to_pylist(), batch_size):
         chunk = table.slice(start, stop - start)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from actors.modeling import load_numpy_state, per_response_tokens, quiet_transformers, response_logprobs
+from actors.modeling import load_numpy_state, per_response_tokens, quiet_transformers
+from rlsys.logprobs import response_logprobs
+from rlsys.models import load_model
 
 
 class ReferenceWorker:
     def __init__(self, model_dir: str, temperature: float = 1.0, threads: int = 1, batch_size: int = 64):
-        from rlsys.models import load_model
-
         torch.set_num_threads(threads)
         quiet_transformers()
         self.model = load_model(model_dir).eval()
@@ -22,8 +22,6 @@ class ReferenceWorker:
 
     def load_weights(self, weights: dict | None, model_dir: str | None = None) -> None:
         """Hold these weights (numpy, by name) or, when None, the model saved in `model_dir`."""
-        from rlsys.models import load_model
-
         if weights is None:
             self.model = load_model(model_dir).eval()
         else:

@@ -15,13 +15,13 @@ import json
 import pyarrow as pa
 import torch
 
-from actors.modeling import pad_sequences, prompt_aligned_chunks, quiet_transformers, shared_prompt_passes
+from actors.modeling import pad_sequences, prompt_aligned_chunks, quiet_transformers
+from rlsys.logprobs import shared_prompt_passes
+from rlsys.models import load_tokenizer
 
 
 class RewardWorker:
     def __init__(self, tokenizer_dir: str, task=None, reward_model_dir: str | None = None, threads: int = 1):
-        from rlsys.models import load_tokenizer
-
         torch.set_num_threads(threads)
         quiet_transformers()
         if (task is None) == (reward_model_dir is None):
@@ -74,8 +74,6 @@ class RewardModel:
         from pathlib import Path
 
         from transformers import AutoModelForSequenceClassification
-
-        from rlsys.models import load_tokenizer
 
         quiet_transformers()
         path = Path(model_dir)

@@ -21,7 +21,10 @@ import torch
 
 from actors.lean_decode import LeanDecoder, positions_from_mask, supports_lean_decode
 from actors.modeling import adopt_numpy_state, load_numpy_state, pad_sequences, quiet_transformers
+from actors.shared_weights import SharedWeights
+from actors.weight_broadcast import BroadcastGroup
 from rlsys.generation import Generation, GenerationRequest, Interpolation, SamplingParams, interpolated_logits
+from rlsys.models import load_model
 
 
 class RolloutBackend(Protocol):
@@ -102,13 +105,11 @@ class HFBackend:
     def __init__(self, model_dir: str, batch_size: int = 64, model=None, reference_dir: str | None = None,
                  reference=None, quantized: str | None = None, specache: dict | None = None, device: str = "cpu",
                  decode: str = "lean"):
-        from rlsys.models import load_model
-
         quiet_transformers()
         self.requantize = None  # (group size, bit maps) when serving a SliM-LLM quantised policy
         if quantized:
-            from rlsys.quantize import load_quantized
-            from rlsys.quantize.model import quantized_bit_maps
+            from rlsys.quantize import load_quantized  # the quantiser: only a quantised policy loads it
+            from rlsys.quantize.model import quantized_bit_maps  # as above
 
             model, self.requantize = load_quantized(quantized), quantized_bit_maps(quantized)
         self.model = model if model is not None else load_model(model_dir)
@@ -136,7 +137,7 @@ class HFBackend:
         if self.requantize is None:
             adopt_numpy_state(self.model, weights)
             return
-        from rlsys.quantize.model import requantize
+        from rlsys.quantize.model import requantize  # the quantiser: only a quantised policy loads it
 
         load_numpy_state(self.model, weights)
         requantize(self.model, self.requantize[1], self.requantize[0])
@@ -145,8 +146,6 @@ class HFBackend:
     def reference(self):
         """The frozen reference model, loaded on first use (only requests that need it pay)."""
         if self._reference is None:
-            from rlsys.models import load_model
-
             if self.reference_dir is None:
                 raise ValueError("this request needs the reference model, and the backend has no reference_dir")
             self._reference = load_model(self.reference_dir).to(self.device).eval()
@@ -216,7 +215,7 @@ class HFBackend:
     def _specache_batch(self, input_ids, attention_mask, params: SamplingParams, stop_ids: set[int]):
         """Decode with the SpeCache cache (rlsys.kvcache): low-bit keys/values in the fast tier,
         the top-k full-precision pairs fetched per step. Same logprob convention as `generate`."""
-        from rlsys.kvcache.generate import specache_generate
+        from rlsys.kvcache.generate import specache_generate  # registers an attention function with transformers
 
         sequences, logprobs, _ = specache_generate(
             self.model, input_ids, attention_mask, params.max_new_tokens, **self.specache,
@@ -260,7 +259,7 @@ def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str 
         raise ValueError(f"rollout.quantized is served by the hf backend only, not {name}")
     if name == "vllm":
         try:
-            from actors.vllm_backend import VLLMBackend
+            from actors.vllm_backend import VLLMBackend  # the vllm extra: optional, only backend vllm loads it
         except ImportError as e:
             raise RuntimeError(f"rollout.backend=vllm needs the vllm extra ({e})") from None
         return VLLMBackend(model_dir, **options)
@@ -304,8 +303,6 @@ class RolloutWorker:
         """The weights of `version` from `slot` of the learner's shared-memory file (actors/
         shared_weights.py), mapped on first use; the model adopts the slot's arrays. `written`:
         the learner calls that wrote them (Ray runs this call once they have finished)."""
-        from actors.shared_weights import SharedWeights
-
         if self.shared is None or self.shared.layout != layout:
             self.shared = SharedWeights(layout)
         self.backend.load_weights(self.shared.arrays(slot))
@@ -333,8 +330,6 @@ class RolloutWorker:
             self.backend.open_weight_broadcast(master_addr, master_port, first_rank, world_size, timeout_s)
             return first_rank
         import ray
-
-        from actors.weight_broadcast import BroadcastGroup
 
         device = getattr(self.backend, "device", torch.device("cpu"))
         local = ray.util.get_node_ip_address() if ray.is_initialized() else None

@@ -183,7 +183,7 @@ def weight_payload(items: Sequence[tuple[str, Any]]) -> list[tuple[str, str, lis
     shared-memory slot) go as dtype "bfloat16" with their 2-byte values."""
     import torch
 
-    from actors.shared_weights import BF16, bf16_bits
+    from actors.shared_weights import BF16, bf16_bits  # torch: this module imports without it
 
     out = []
     for name, a in items:

@@ -14,6 +14,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from actors.shared_weights import BF16, BF16_BITS, bf16_from_bits
+from actors.weight_broadcast import BroadcastGroup, TensorSpec
+
 
 def engine_tensor(array, dtype: torch.dtype, device) -> torch.Tensor:
     """A numpy array (possibly a read-only object-store view) or tensor as a tensor of the
@@ -27,8 +30,6 @@ def engine_tensor(array, dtype: torch.dtype, device) -> torch.Tensor:
 def arrays_from_payload(payload) -> list[tuple[str, np.ndarray | torch.Tensor]]:
     """The inverse of actors.vllm_backend.weight_payload: (name, dtype, shape, bytes) -> (name,
     array), bf16 entries as torch tensors (numpy has no bfloat16)."""
-    from actors.shared_weights import BF16, BF16_BITS, bf16_from_bits
-
     out = []
     for name, dtype, shape, data in payload:
         if dtype == BF16:
@@ -55,16 +56,12 @@ class RlsysWorkerExtension:
     def rlsys_open_broadcast(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
                              timeout_s: float) -> int:
         """Join the weight-broadcast group as rank first_rank + this worker's rank in the engine."""
-        from actors.weight_broadcast import BroadcastGroup
-
         rank = first_rank + int(self.rank)
         self.rlsys_broadcast = BroadcastGroup(master_addr, master_port, rank, world_size, "nccl", timeout_s,
                                               device=self.device)
         return rank
 
     def rlsys_receive_broadcast(self, version: int, manifest: Sequence[tuple[str, list[int], str]]) -> int:
-        from actors.weight_broadcast import TensorSpec
-
         specs = [TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in manifest]
         received = self.rlsys_broadcast.receive(version, specs)
         self._rlsys_model().load_weights(weights=received)

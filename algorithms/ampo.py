@@ -26,7 +26,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, register, set_rewards
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, Stateful
+from algorithms.base import register, set_rewards
 from algorithms.pilaf import GroupedBatch
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, new_uid
@@ -36,13 +37,20 @@ EMBEDDING = pa.schema([("embedding", pa.list_(pa.float32()))])
 
 
 class AMPOConfig(AlgorithmConfig):
+    """AMPO (Gupta et al. 2025): active multi-preference optimisation, K of N responses per prompt in a
+    group-contrastive loss."""
+
     num_samples: int = Field(8, ge=2, description="N responses sampled per prompt")
-    subset_size: int = Field(4, ge=2, description="K responses trained on per prompt: 1 positive, K-1 negatives")
-    selection: Literal["bottomk", "coreset", "optselect"] = "coreset"
-    embedding_model: Literal["policy", "reference"] = "policy"
+    subset_size: int = Field(4, ge=2, description="K responses trained on per prompt: 1 positive, K-1 negatives "
+                             "(below num_samples)")
+    selection: Literal["bottomk", "coreset", "optselect"] = Field(
+        "coreset", description="how the K-1 negatives are chosen: bottomk: the lowest rewards; coreset: the lowest "
+        "reward of each k-means cluster of the embeddings; optselect: weighted k-medoids by local search")
+    embedding_model: Literal["policy", "reference"] = Field(
+        "policy", description="whose last hidden states, averaged over the response, embed a response")
     beta: float = Field(2.0, gt=0, description="scale of the mean token logprob in s_i")
     alpha: float = Field(1.0, ge=0, description="scale of the centred reward in s_i")
-    seed: int = Field(0, description="k-means initialisation")
+    seed: int = Field(0, description="seed of the k-means initialisation")
 
     @model_validator(mode="after")
     def _subset_smaller(self):
@@ -116,7 +124,7 @@ def group_contrastive_loss(scores: torch.Tensor, positive: torch.Tensor, weights
 
 
 @register("ampo")
-class AMPO:
+class AMPO(Algorithm, Stateful, ReportsPrepareMetrics):
     Config = AMPOConfig
     needs_value_head = False
 
@@ -140,7 +148,7 @@ class AMPO:
         table = make_experience(rows, extra_schema=EMBEDDING)
         return set_rewards(table, ctx.score(table))
 
-    def select(self, embeddings: np.ndarray, rewards: np.ndarray) -> list[int]:
+    def _select(self, embeddings: np.ndarray, rewards: np.ndarray) -> list[int]:
         """[positive, K-1 negatives] of one prompt's N responses (negatives from the other N-1)."""
         positive = int(np.argmax(rewards))
         rest = np.array([i for i in range(len(rewards)) if i != positive])
@@ -163,7 +171,7 @@ class AMPO:
         order, offsets, weights = [], [], []
         for members in groups.values():
             r = rewards[members]
-            chosen = self.select(np.asarray([embeddings[m] for m in members], dtype=np.float64), r)
+            chosen = self._select(np.asarray([embeddings[m] for m in members], dtype=np.float64), r)
             order += [members[i] for i in chosen]
             offsets += [self.config.alpha * (r[i] - r.mean()) for i in chosen]
             weights += [float(r.max() > r.min())] * len(chosen)

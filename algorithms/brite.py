@@ -46,7 +46,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, register, set_token_column
+from rlsys.contract import Algorithm, AlgorithmConfig, HasWarmupTask, ModelOutputs, ReportsPrepareMetrics, Stateful
+from algorithms.base import register, set_token_column
 from algorithms.common import broadcast_to_tokens, clipped_policy_loss, rloo_advantages
 from algorithms.sft import sft_loss
 from envs.arithmetic import ANSWER_MARKER, carry_dropped_answer, ones_digit_step
@@ -61,17 +62,24 @@ EXTRA_SCHEMA = pa.schema([("rationale_len", pa.int32()), ("shaped_reward", pa.fl
 
 
 class BRiTEConfig(AlgorithmConfig):
+    """BRiTE (Zhong et al. 2025): psi-steps of KL-regularised RL on rationales alternate with theta-steps of
+    likelihood fine-tuning."""
+
     psi_steps: int = Field(1, ge=0, description="learner steps of KL-regularised RL per iteration")
     theta_steps: int = Field(1, ge=0, description="learner steps of likelihood fine-tuning per iteration")
     group_size: int = Field(4, ge=2, description="rationales sampled per prompt")
-    rationale_tokens: int = Field(8, ge=1, description="most sampled tokens of a rationale (a cut one gets the marker appended)")
+    rationale_tokens: int = Field(8, ge=1, description="most sampled tokens of a rationale (a cut one gets the marker "
+                                  "appended)")
     answer_tokens: int = Field(4, ge=1, description="most tokens of the sampled answer, eos included")
     kl_coef: float = Field(1.0, ge=0, description="beta; 1 makes the psi-step optimum the posterior")
     kl_anchor: Literal["theta_t", "initial"] = Field(
-        "theta_t", description="the psi-step's KL reference: theta at the start of the iteration, or the initial policy")
-    clip_eps: float = Field(0.2, gt=0, lt=1)
+        "theta_t", description="the psi-step's KL reference: theta at the start of the iteration, or the initial "
+        "policy")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="psi-step: PPO clip range of the ratio to the rollout "
+                            "policy: [1 - eps, 1 + eps]")
     theta_weights: Literal["none", "posterior"] = Field(
-        "none", description="theta-step rows as sampled, or weighted toward the psi-step's optimum Q* (posterior_weights)")
+        "none", description="theta-step rows as sampled, or weighted toward the psi-step's optimum Q* "
+        "(posterior_weights)")
     warmup: Literal["rationale", "answer"] = Field(
         "rationale", description="warm-up target: '<rationale>#<answer>' (RationaleWarmupTask) or the bare answer")
 
@@ -235,7 +243,7 @@ def longest_rationale_tokens(tokenizer, rows: Sequence[dict]) -> tuple[int, str]
 
 # ---- the plug-in ---------------------------------------------------------------------------------
 @register("brite")
-class BRiTE:
+class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
     Config = BRiTEConfig
     needs_value_head = False
 
@@ -257,7 +265,7 @@ class BRiTE:
         """The task the supervised warm-up trains on (the controller's hook): with `warmup:
         rationale` a RationaleWarmupTask, its rows checked here (arithmetic prompts, the marker one
         token, rationale + marker within `rationale_tokens`); with `warmup: answer` the task."""
-        from rlsys.config import ConfigError
+        from rlsys.config import ConfigError  # here: rlsys.config is loaded only by what builds a run
 
         c = self.config
         if c.warmup == "answer":
@@ -314,7 +322,7 @@ class BRiTE:
             table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         return table
 
-    def returns(self, table: pa.Table) -> np.ndarray:
+    def _returns(self, table: pa.Table) -> np.ndarray:
         """The psi-step's sequence returns R = r - beta * sum over sampled rationale tokens of log Q - log P_ref."""
         r = np.asarray(table.column("shaped_reward").to_pylist(), np.float64)
         if self.config.kl_coef == 0:
@@ -344,7 +352,7 @@ class BRiTE:
         batch = collate(table)
         batch.extras["theta"] = torch.full((len(batch),), float(phase == "theta"))
         if phase == "psi":
-            adv = rloo_advantages(self.returns(table), table.column("group").to_pylist())
+            adv = rloo_advantages(self._returns(table), table.column("group").to_pylist())
             batch.advantages = broadcast_to_tokens(torch.tensor(adv, dtype=torch.float32), batch.response_mask)
         elif self.config.theta_weights == "posterior":
             logq, logp = self._rationale_logprob_sums(table)

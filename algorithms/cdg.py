@@ -49,7 +49,9 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, register, rewards_of, set_token_column
+from rlsys.contract import (Algorithm, AlgorithmConfig, HasWarmupTask, ModelOutputs, ReportsPrepareMetrics,
+                            RestartsPolicy, SkipsRowsWithoutGradient, Stateful, TrainsSeveralPolicies)
+from algorithms.base import register, rewards_of, set_token_column
 from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
                                rows_with_gradient)
 from algorithms.ppo import ppo_loss, ppo_prepare
@@ -63,32 +65,43 @@ from rlsys.generation import GenerationRequest
 
 
 class CDGConfig(AlgorithmConfig):
+    """CDG: Critic-Discernment Game self-play of a prover, a helpful and a misleading critic; online RL or ReST
+    rounds."""
+
     mode: Literal["online", "rest"] = Field("online", description="online RL (`advantage`) or offline ReST rounds")
     eta: float = Field(0.5, ge=0, description="prover bonus for a correct first solution (kept against a misleader)")
     solutions: int = Field(4, ge=1, description="prover solutions z per problem (the prover's GRPO group)")
     critiques: int = Field(2, ge=1, description="critiques per solution (a critic's GRPO group)")
-    finals: int = Field(2, ge=1, description="final answers z' per critique: the repeated play behind flip/success rates")
+    finals: int = Field(2, ge=1, description="final answers z' per critique: the repeated play behind flip/success "
+                        "rates")
     critique_tokens: int = Field(0, ge=0, description="max new tokens of a critique; 0: rollout.max_new_tokens")
-    helpful_prompt: str = Field("helpful critic:", min_length=1)
-    misleading_prompt: str = Field("misleading critic:", min_length=1)
-    critique_open: str = Field(" critique:", min_length=1)
-    revise_open: str = Field(" final:", min_length=1)
+    helpful_prompt: str = Field("helpful critic:", min_length=1, description="role prefix of the helpful critic's "
+                                "context (before the problem and the solution)")
+    misleading_prompt: str = Field("misleading critic:", min_length=1, description="role prefix of the misleading "
+                                   "critic's context")
+    critique_open: str = Field(" critique:", min_length=1, description="text after the solution that opens a "
+                               "critique")
+    revise_open: str = Field(" final:", min_length=1, description="text after the critique that opens the prover's "
+                             "final answer")
     restate_problem: bool = Field(True, description="end the revision context with the problem asked again")
-    warmup_revision: bool = Field(False, description="also warm up on revision turns (a model that has never seen the game)")
+    warmup_revision: bool = Field(False, description="also warm up on revision turns (a model that has never seen "
+                                  "the game)")
     models: Literal["shared", "prover_critic", "per_role"] = Field(
         "shared", description="one policy for all roles, a prover and a critic model, or a model per role")
     # online
     advantage: Literal["grpo", "gae"] = Field(
         "grpo", description="grpo: group-relative advantages, k3 KL in the loss; gae: PPO with a value head on each "
                             "model, KL folded into the per-token reward")
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    kl_coef: float = Field(0.04, ge=0)
-    std_normalize: bool = True
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="online: PPO clip range of the ratio to the rollout "
+                            "policy: [1 - eps, 1 + eps]")
+    kl_coef: float = Field(0.04, ge=0, description="online: KL to the reference: grpo: k3 weight in the loss; gae: "
+                           "penalty in the per-token reward")
+    std_normalize: bool = Field(True, description="grpo: divide the advantages by the group's reward std")
     vf_coef: float = Field(0.5, ge=0, description="gae: weight of the clipped value loss")
-    value_clip: float = Field(0.2, gt=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    whiten_advantages: bool = True
+    value_clip: float = Field(0.2, gt=0, description="gae: clip range of the new value around the rollout's value")
+    gamma: float = Field(1.0, ge=0, le=1, description="gae: discount per token")
+    lam: float = Field(0.95, ge=0, le=1, description="gae: GAE lambda")
+    whiten_advantages: bool = Field(True, description="gae: whiten the advantages over the batch's trained tokens")
 
     @field_validator("advantage")
     @classmethod
@@ -100,11 +113,15 @@ class CDGConfig(AlgorithmConfig):
     play_steps: int = Field(1, ge=1, description="steps of play per ReST round")
     sft_steps: int = Field(1, ge=1, description="supervised steps per ReST round")
     sft_batch_size: int = Field(64, ge=1, description="pool samples per supervised step")
-    prover_threshold: float = Field(0.5, ge=0, le=1, description="keep a prover context whose success rate is above this")
-    helpful_threshold: float = Field(0.75, ge=0, le=1, description="keep a helpful critique whose flip rate is above this")
-    misleading_threshold: float = Field(0.5, ge=0, le=1, description="keep a misleading critique whose flip rate is above this")
+    prover_threshold: float = Field(0.5, ge=0, le=1, description="keep a prover context whose success rate is above "
+                                    "this")
+    helpful_threshold: float = Field(0.75, ge=0, le=1, description="keep a helpful critique whose flip rate is "
+                                     "above this")
+    misleading_threshold: float = Field(0.5, ge=0, le=1, description="keep a misleading critique whose flip rate is "
+                                        "above this")
     max_pool_per_role: int = Field(10_000, ge=1, description="kept samples accumulated per role across rounds")
-    restart_each_round: bool = Field(True, description="each round's fine-tuning starts from the initial model (the paper)")
+    restart_each_round: bool = Field(True, description="each round's fine-tuning starts from the initial model (the "
+                                     "paper); false: from the current policy")
 
 
 # ---- the method, as pure functions ---------------------------------------------------------
@@ -203,7 +220,7 @@ def add_to_pool(pool: dict[str, list], samples: Sequence[dict], cap: int) -> int
 
 # ---- the plug-in ----------------------------------------------------------------------------
 @register("cdg")
-class CDG:
+class CDG(Algorithm, Stateful, TrainsSeveralPolicies, HasWarmupTask, RestartsPolicy, ReportsPrepareMetrics, SkipsRowsWithoutGradient):
     Config = CDGConfig
 
     def __init__(self, config: CDGConfig | None = None):
@@ -227,7 +244,7 @@ class CDG:
         return {name: table.take(rows[name]) for name in self.policy_names if name in rows}
 
     @property
-    def thresholds(self) -> dict[str, float]:
+    def _thresholds(self) -> dict[str, float]:
         c = self.config
         return {"prover": c.prover_threshold, "helpful": c.helpful_threshold, "misleading": c.misleading_threshold}
 
@@ -240,11 +257,11 @@ class CDG:
         return RevisionWarmupTask(task, c.critique_open, c.revise_open, tokenizer.eos_token, c.restate_problem)
 
     def rollout(self, ctx, prompts) -> pa.Table:
-        table = self.sft_table(ctx) if self.phase == "sft" else self.play(ctx, prompts)
-        self.advance()
+        table = self._sft_table(ctx) if self.phase == "sft" else self._play(ctx, prompts)
+        self._advance()
         return table
 
-    def play(self, ctx, prompts) -> pa.Table:
+    def _play(self, ctx, prompts) -> pa.Table:
         c = self.config
         templates = Templates.from_text(ctx.tokenizer, c.helpful_prompt, c.misleading_prompt, c.critique_open, c.revise_open,
                                        c.restate_problem)
@@ -254,7 +271,7 @@ class CDG:
                            tokens, c.critique_tokens or tokens, tokens)
         rows = game_rows(games, templates, c.eta, ctx.policy_version, self.phase, self.round)
         if self.phase == "play":
-            kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], self.thresholds)]
+            kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], self._thresholds)]
             added = add_to_pool(self.pool, [sft_sample(r) for r in kept], c.max_pool_per_role)
             for r in rows:
                 r["meta"]["pool_added"] = added
@@ -262,10 +279,10 @@ class CDG:
         if self.phase == "online" and (c.kl_coef > 0 or self.needs_value_head):
             table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         if self.phase == "online" and self.needs_value_head:
-            table = set_token_column(table, "values", self.values_by_model(ctx, table))
+            table = set_token_column(table, "values", self._values_by_model(ctx, table))
         return table
 
-    def values_by_model(self, ctx, table: pa.Table) -> list:
+    def _values_by_model(self, ctx, table: pa.Table) -> list:
         """Each row's value estimates from the value head of the model that plays its role."""
         out = [None] * table.num_rows
         for name, rows in rows_per_model([m["role"] for m in meta_of(table)], self.models).items():
@@ -273,7 +290,7 @@ class CDG:
                 out[i] = v
         return out
 
-    def sft_table(self, ctx) -> pa.Table:
+    def _sft_table(self, ctx) -> pa.Table:
         """`sft_batch_size` samples drawn uniformly from the pool (all roles), as current-version rows."""
         samples = [s for role in ROLES for s in self.pool[role]]
         rng = np.random.default_rng(ctx.next_seed())
@@ -286,7 +303,7 @@ class CDG:
                 for s in (samples[i] for i in sorted(pick))]
         return make_experience(rows)
 
-    def advance(self) -> None:
+    def _advance(self) -> None:
         """rest: play for play_steps steps (longer while the pool is empty), then sft_steps steps of SFT, next round."""
         if self.phase == "online":
             return

@@ -36,8 +36,10 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, register
+from rlsys.contract import Algorithm, AlgorithmConfig, HasTeacher, ModelOutputs, ReportsPrepareMetrics, Stateful
+from algorithms.base import register
 from algorithms.common import masked_mean
+from algorithms.sft import sft_ids, warmup
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience
 
@@ -130,15 +132,15 @@ def on_support(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 # ---- the plug-in -------------------------------------------------------------------------------
 class TeacherConfig(AlgorithmConfig):
     path: Optional[str] = Field(None, description="local HF model dir of a trained teacher (its tokenizer must be "
-                                                  "the student's); none trains a tiny one of the sizes below")
-    hidden_size: int = Field(128, ge=8)
-    intermediate_size: int = Field(384, ge=8)
-    num_hidden_layers: int = Field(4, ge=1, le=64)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
+                                                  "the student's); null trains a tiny one of the sizes below")
+    hidden_size: int = Field(128, ge=8, description="tiny teacher: width of the residual stream")
+    intermediate_size: int = Field(384, ge=8, description="tiny teacher: width of the MLP's hidden layer")
+    num_hidden_layers: int = Field(4, ge=1, le=64, description="tiny teacher: decoder layers")
+    num_attention_heads: int = Field(4, ge=1, description="tiny teacher: attention heads")
+    num_key_value_heads: int = Field(2, ge=1, description="tiny teacher: key/value heads of grouped-query attention")
     sft_steps: int = Field(600, ge=1, description="supervised warm-up steps of the tiny teacher")
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(3e-3, gt=0)
+    batch_size: int = Field(32, ge=1, description="tiny teacher: demonstrations per warm-up step")
+    lr: float = Field(3e-3, gt=0, description="tiny teacher: AdamW learning rate of the warm-up")
 
     @field_validator("path")
     @classmethod
@@ -149,16 +151,22 @@ class TeacherConfig(AlgorithmConfig):
 
 
 class DistillConfig(AlgorithmConfig):
+    """DA-KD: difficulty-aware distillation of a teacher into the policy, with the bidirectional discrepancy loss."""
+
     epochs: int = Field(6, ge=1, description="E: epochs of the keep-ratio schedule")
-    schedule: Literal["cosine", "linear", "full"] = Field("cosine", description="full: plain KD on all data")
+    schedule: Literal["cosine", "linear", "full"] = Field(
+        "cosine", description="share of the samples epoch e keeps: cosine 0.5 cos(pi e / E) + 0.5, linear 1 - e / E; "
+        "full: all of them (plain KD, the baseline)")
     tau: float = Field(0.1, ge=0, le=1, description="share of each epoch drawn from the easy part D_low")
-    bdl_lambda: float = Field(0.9, ge=0, le=1, description="lambda of the bidirectional discrepancy loss")
+    bdl_lambda: float = Field(0.9, ge=0, le=1, description="lambda of the bidirectional discrepancy loss (0: "
+                              "KL(p || q), 1: KL(q || p))")
     top_k: int = Field(0, ge=0, description="teacher tokens per position (0: the whole distribution)")
-    teacher: TeacherConfig = TeacherConfig()
+    teacher: TeacherConfig = Field(TeacherConfig(), description="the teacher: a trained local model, or a tiny one "
+                                   "trained on the task before the run")
 
 
 @register("distill")
-class DAKD:
+class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
     Config = DistillConfig
     needs_value_head = False
 
@@ -176,9 +184,8 @@ class DAKD:
     def teacher_dir(self, run_dir, task, tokenizer, seed: int) -> Path:
         """The teacher's model dir: teacher.path (its vocabulary must equal the student's), or a
         tiny model of the teacher sizes trained by the SFT warm-up, saved once to run_dir/teacher."""
-        from algorithms.sft import warmup
-        from rlsys.config import ConfigError
-        from rlsys.models import TinyModelSpec, build_tiny_model, load_tokenizer, save_model_dir
+        from rlsys.config import ConfigError  # here: rlsys.config is loaded only by what builds a run
+        from rlsys.models import TinyModelSpec, build_tiny_model, load_tokenizer, save_model_dir  # imports rlsys.config
 
         t = self.config.teacher
         if t.path:
@@ -201,29 +208,27 @@ class DAKD:
         return out
 
     # -- sampling: the epoch plan -----------------------------------------------------------
-    def data(self, ctx):
+    def _training_ids(self, ctx):
         if self._data is None:
-            from algorithms.sft import sft_ids
-
             self._data = sft_ids(ctx.tokenizer, ctx.task.rows("train"), ctx.task)
         return self._data
 
-    def table_of(self, ctx, index: Sequence[int]) -> pa.Table:
-        prompts, answers = self.data(ctx)
+    def _table_of(self, ctx, index: Sequence[int]) -> pa.Table:
+        prompts, answers = self._training_ids(ctx)
         rows = [dict(uid=f"train-{i}", group=f"train-{i}", prompt_ids=prompts[i], response_ids=answers[i],
                      logprobs=[], reward=0.0, policy_version=ctx.policy_version, meta={"sample": int(i)})
                 for i in index]
         return make_experience(rows, TEACHER_COLUMNS)
 
-    def scores(self, ctx) -> np.ndarray:
+    def _scores(self, ctx) -> np.ndarray:
         """DDS of every training sample under the current student (the learner's weights)."""
-        every = self.table_of(ctx, range(len(self.data(ctx)[0])))
+        every = self._table_of(ctx, range(len(self._training_ids(ctx)[0])))
         if self._teacher_ce is None:  # the teacher is frozen
             self._teacher_ce = sequence_ce(ctx.teacher_logprobs(every))
         return difficulty_scores(sequence_ce(ctx.policy_logprobs(every)), self._teacher_ce)
 
-    def begin_epoch(self, ctx) -> None:
-        c, n = self.config, len(self.data(ctx)[0])
+    def _begin_epoch(self, ctx) -> None:
+        c, n = self.config, len(self._training_ids(ctx)[0])
         self.epoch += 1
         ratio = keep_ratio(self.epoch, c.epochs, c.schedule)
         n_keep = subset_size(n, ratio)
@@ -233,7 +238,7 @@ class DAKD:
         if n_keep == n:  # everything is kept: no scores needed
             self.order = rng.permutation(n).tolist()
         else:
-            dds = self.scores(ctx)
+            dds = self._scores(ctx)
             self.order = stratified_subset(dds, n_keep, c.tau, rng).tolist()
             self.epoch_metrics["distill/dds_mean"] = float(dds.mean())
         self.position = 0
@@ -242,10 +247,10 @@ class DAKD:
         """The next len(prompts) samples of the epoch's subset (fewer at its end), with the
         teacher's top-k next-token logprobs at every answer position."""
         if self.position >= len(self.order):
-            self.begin_epoch(ctx)
+            self._begin_epoch(ctx)
         index = self.order[self.position : self.position + len(prompts)]
         self.position += len(index)
-        table = self.table_of(ctx, index)
+        table = self._table_of(ctx, index)
         top = ctx.teacher_top_logprobs(table, self.config.top_k)
         for name, column in zip(TEACHER_COLUMNS.names, zip(*top)):
             table = table.set_column(table.schema.get_field_index(name), name,

@@ -12,24 +12,31 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, rewards_of, sample_groups
+from algorithms.base import register, rewards_of, sample_groups
 from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
                                rows_with_gradient)
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import (Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, SkipsRowsWithoutGradient,
+                            TrainsOnStaleRows)
 
 
 class GRPOConfig(AlgorithmConfig):
-    group_size: int = Field(4, ge=2, description="responses sampled per prompt (G)")
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    kl_coef: float = Field(0.04, ge=0)
-    std_normalize: bool = Field(True, description="False gives Dr.GRPO's unscaled advantages")
+    """GRPO (Shao et al. 2024): group-relative advantages, no critic, k3 KL to the reference as a loss."""
+
+    group_size: int = Field(4, ge=2, description="responses sampled per prompt (G); a step's rows are "
+                            "trainer.prompts_per_step times this")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: "
+                            "[1 - eps, 1 + eps]")
+    kl_coef: float = Field(0.04, ge=0, description="weight of the k3 KL to the reference in the loss (0: no "
+                           "reference logprobs are computed)")
+    std_normalize: bool = Field(True, description="divide the advantages by the group's reward std; false gives "
+                                "Dr.GRPO's unscaled advantages")
 
 
 @register("grpo")
-class GRPO(StatelessMixin):
+class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows):
     Config = GRPOConfig
     needs_value_head = False
-    allows_overlap = True  # rows a version old are corrected by the clipped ratio to their rollout logprobs
 
     def __init__(self, config: GRPOConfig | None = None):
         self.config = config or self.Config()
@@ -37,14 +44,9 @@ class GRPO(StatelessMixin):
     def rollout(self, ctx, prompts) -> pa.Table:
         return sample_groups(ctx, prompts, self.config.group_size, with_ref=self.config.kl_coef > 0)
 
-    def advantages(self, table: pa.Table) -> np.ndarray:
-        return grpo_advantages(rewards_of(table), table.column("group").to_pylist(), self.config.std_normalize)
-
     def prepare(self, table: pa.Table) -> TrainBatch:
-        batch = collate(table)
-        per_sequence = torch.tensor(self.advantages(table), dtype=torch.float32)
-        batch.advantages = broadcast_to_tokens(per_sequence, batch.response_mask)
-        return batch
+        advantages = grpo_advantages(rewards_of(table), table.column("group").to_pylist(), self.config.std_normalize)
+        return sequence_advantage_batch(table, advantages)
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
@@ -54,3 +56,10 @@ class GRPO(StatelessMixin):
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)
+
+
+def sequence_advantage_batch(table: pa.Table, advantages: np.ndarray) -> TrainBatch:
+    """The rows collated, each response's advantage on every one of its tokens."""
+    batch = collate(table)
+    batch.advantages = broadcast_to_tokens(torch.tensor(advantages, dtype=torch.float32), batch.response_mask)
+    return batch

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from algorithms.base import (AlgorithmConfig, ModelOutputs, StatelessMixin, register, score_and_ref_logprobs, set_rewards,
-                             set_token_column)
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics
+from algorithms.base import register, score_and_ref_logprobs, set_rewards, set_token_column
 from algorithms.common import masked_sum
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
@@ -34,10 +34,17 @@ from rlsys.generation import GenerationRequest, Interpolation
 
 
 class PILAFConfig(AlgorithmConfig):
-    sampler: Literal["pilaf", "vanilla"] = Field("pilaf", description="vanilla: both responses from the policy")
+    """PILAF (Feng et al. 2025): online DPO on pairs sampled from interpolations of the policy and the reference."""
+
+    sampler: Literal["pilaf", "vanilla"] = Field("pilaf", description="pilaf: a share of the pairs from the "
+                                                 "interpolated policies; vanilla: both responses from the policy "
+                                                 "(plain online DPO)")
     beta: float = Field(0.1, gt=0, description="DPO beta, also the interpolation's beta")
-    interpolated_fraction: float = Field(0.5, ge=0, le=1, description="share of pairs drawn from (pi_plus, pi_minus)")
-    labels: Literal["max", "bradley_terry"] = Field("max", description="how a pair's two scores become a preference")
+    interpolated_fraction: float = Field(0.5, ge=0, le=1, description="sampler pilaf: probability that a prompt's "
+                                         "pair is drawn from (pi_plus, pi_minus) instead of twice from the policy")
+    labels: Literal["max", "bradley_terry"] = Field("max", description="how a pair's two scores become a preference: "
+                                                    "max: the higher wins (a tie: no preference); bradley_terry: a "
+                                                    "wins with probability sigmoid(r_a - r_b)")
 
 
 @dataclass
@@ -86,7 +93,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 
 
 @register("pilaf")
-class PILAF(StatelessMixin):
+class PILAF(Algorithm, ReportsPrepareMetrics):
     Config = PILAFConfig
     needs_value_head = False
 

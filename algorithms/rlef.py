@@ -30,7 +30,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from algorithms.base import AlgorithmConfig, ModelOutputs, StatelessMixin, register, set_token_column
+from rlsys.contract import Algorithm, AlgorithmConfig, EvaluatesItself, ModelOutputs, ReportsPrepareMetrics
+from algorithms.base import register, set_token_column
 from algorithms.common import clipped_policy_loss, clipped_value_loss, masked_mean, masked_whiten
 from envs.code import play_episodes
 from rlsys.batch import TrainBatch, collate
@@ -41,12 +42,17 @@ LEARNER_LOGPROBS = pa.schema([("learner_logprobs", pa.list_(pa.float32()))])
 
 
 class RLEFConfig(AlgorithmConfig):
-    max_turns: int = Field(3, ge=1, le=10, description="answers per episode")
+    """RLEF (Gehring et al. 2024): multi-turn code RL with execution feedback (task code), PPO with per-turn values."""
+
+    max_turns: int = Field(3, ge=1, le=10, description="most answers per episode (an episode ends at the first "
+                           "that passes the public tests)")
     samples_per_prompt: int = Field(1, ge=1, le=64, description="episodes per prompt")
     kl_coef: float = Field(0.05, ge=0, description="beta of the per-turn KL penalty")
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    value_clip: float = Field(0.2, gt=0)
-    vf_coef: float = Field(0.5, ge=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the learner's own "
+                            "logprobs before the update: [1 - eps, 1 + eps]")
+    value_clip: float = Field(0.2, gt=0, description="clip range of the new value around the rollout's value in "
+                              "the value loss")
+    vf_coef: float = Field(0.5, ge=0, description="weight of the clipped value loss")
     feedback_chars: int = Field(500, ge=80, le=20000, description="longest feedback turn, in characters")
     whiten_advantages: bool = Field(True, description="whiten A over the batch's answer tokens (as ppo does); "
                                     "an affine map, so every token of a turn still shares one value")
@@ -129,23 +135,21 @@ class TokenTurns:
 
 
 @register("rlef")
-class RLEF(StatelessMixin):
+class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics):
     Config = RLEFConfig
     needs_value_head = True
 
     def __init__(self, config: RLEFConfig | None = None):
         self.config = config or self.Config()
 
-    def open_episodes(self, ctx, starts, uids: Sequence[str]) -> list:
-        if getattr(ctx, "sandbox", None) is None:
-            raise RuntimeError("rlef needs a task that runs code (task.name=code) and the run's sandbox pool")
+    def _open_episodes(self, ctx, starts, uids: Sequence[str]) -> list:
         return [ctx.task.episode(p.meta, self.config.max_turns, uid=uid, feedback_chars=self.config.feedback_chars)
                 for p, uid in zip(starts, uids)]
 
     def rollout(self, ctx, prompts) -> pa.Table:
         c = self.config
         starts = [p for p in prompts for _ in range(c.samples_per_prompt)]
-        episodes = self.open_episodes(ctx, starts, [f"{p.uid}/{k % c.samples_per_prompt}" for k, p in enumerate(starts)])
+        episodes = self._open_episodes(ctx, starts, [f"{p.uid}/{k % c.samples_per_prompt}" for k, p in enumerate(starts)])
         turns = TokenTurns(ctx, starts, episodes, lambda: ctx.sampling(n=1, seed=ctx.next_seed()))
         play_episodes(episodes, turns, ctx.execute)  # a turn's public runs (then the private ones) at once
         rows = []
@@ -167,7 +171,7 @@ class RLEF(StatelessMixin):
         """Held-out metrics as the paper reports them: one episode per problem (up to max_turns
         answers with public-test feedback), `accuracy` = its final code passing the private tests
         (1@3 at the default), sampled with `params` (the controller's: greedy by default)."""
-        episodes = self.open_episodes(ctx, prompts, [f"{p.uid}/eval" for p in prompts])
+        episodes = self._open_episodes(ctx, prompts, [f"{p.uid}/eval" for p in prompts])
         play_episodes(episodes, TokenTurns(ctx, prompts, episodes, lambda: params), ctx.execute)
         return {
             "accuracy": float(np.mean([bool(e.private_passed) for e in episodes])),
@@ -176,7 +180,7 @@ class RLEF(StatelessMixin):
             "first_answer_public_pass": float(np.mean([e.public_passed and len(e.answers) == 1 for e in episodes])),
         }
 
-    def turn_targets(self, table: pa.Table) -> list[tuple[list[tuple[int, int]], np.ndarray, np.ndarray]]:
+    def _turn_targets(self, table: pa.Table) -> list[tuple[list[tuple[int, int]], np.ndarray, np.ndarray]]:
         """Per row: the answer spans, G_t and A_t."""
         out = []
         behaviour, ref = table.column("logprobs").to_pylist(), table.column("ref_logprobs").to_pylist()
@@ -194,7 +198,7 @@ class RLEF(StatelessMixin):
         learner = table.column("learner_logprobs").to_pylist()
         advantages, returns, value_mask = (torch.zeros_like(batch.response_mask) for _ in range(3))
         old = batch.old_logprobs.clone()
-        for i, (spans, g, a) in enumerate(self.turn_targets(table)):
+        for i, (spans, g, a) in enumerate(self._turn_targets(table)):
             o = len(prompts[i]) - 1  # response token j sits at column o + j
             old[i, o:o + len(learner[i])] = torch.tensor(learner[i])
             for t, (s, e) in enumerate(spans):

@@ -5,24 +5,49 @@ used in the same clipped surrogate and k3 KL loss as GRPO; only the advantage di
 """
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
+import torch
 from pydantic import Field
 
-from algorithms.base import AlgorithmConfig, register, rewards_of
-from algorithms.common import rloo_advantages
-from algorithms.grpo import GRPO
+from algorithms.base import register, rewards_of, sample_groups
+from algorithms.common import clipped_policy_loss_with_kl, group_stats, rloo_advantages, rows_with_gradient
+from algorithms.grpo import sequence_advantage_batch
+from rlsys.batch import TrainBatch
+from rlsys.contract import (Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, SkipsRowsWithoutGradient,
+                            TrainsOnStaleRows)
 
 
 class RLOOConfig(AlgorithmConfig):
-    group_size: int = Field(4, ge=2, description="responses sampled per prompt (k)")
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    kl_coef: float = Field(0.04, ge=0)
+    """RLOO (Ahmadian et al. 2024): REINFORCE with a leave-one-out baseline, in GRPO's clipped surrogate and k3 KL
+    loss."""
+
+    group_size: int = Field(4, ge=2, description="responses sampled per prompt (k); each one's baseline is the "
+                            "mean reward of the other k-1")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: "
+                            "[1 - eps, 1 + eps]")
+    kl_coef: float = Field(0.04, ge=0, description="weight of the k3 KL to the reference in the loss (0: no "
+                           "reference logprobs are computed)")
 
 
 @register("rloo")
-class RLOO(GRPO):
+class RLOO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows):
     Config = RLOOConfig
+    needs_value_head = False
 
-    def advantages(self, table: pa.Table) -> np.ndarray:
-        return rloo_advantages(rewards_of(table), table.column("group").to_pylist())
+    def __init__(self, config: RLOOConfig | None = None):
+        self.config = config or self.Config()
+
+    def rollout(self, ctx, prompts) -> pa.Table:
+        return sample_groups(ctx, prompts, self.config.group_size, with_ref=self.config.kl_coef > 0)
+
+    def prepare(self, table: pa.Table) -> TrainBatch:
+        return sequence_advantage_batch(table, rloo_advantages(rewards_of(table), table.column("group").to_pylist()))
+
+    def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
+        return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
+
+    def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
+        return rows_with_gradient(batch, self.config.kl_coef)
+
+    def loss(self, outputs: ModelOutputs, batch: TrainBatch):
+        return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)

@@ -10,9 +10,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from actors.modeling import forward_logprobs
 from algorithms.common import masked_mean
 from rlsys.batch import TrainBatch, collate_ids
+from rlsys.logprobs import forward_logprobs
 
 
 def sft_ids(tokenizer, rows: Sequence[dict], task) -> tuple[list[list[int]], list[list[int]]]:

@@ -28,8 +28,8 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from algorithms.base import (AlgorithmConfig, ModelOutputs, StatelessMixin, register, sample_groups, set_rewards,
-                             set_token_column)
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, SkipsRowsWithoutGradient
+from algorithms.base import register, sample_groups, set_rewards, set_token_column
 from algorithms.common import clipped_policy_loss_with_kl, masked_whiten, rows_with_gradient
 from rlsys.batch import TrainBatch, collate
 from rlsys.experience import make_experience, meta_of, new_uid
@@ -41,14 +41,18 @@ CUT_POINT = re.compile(r"\n|\. (?=[A-Z])")  # the cut falls just after the match
 
 
 class VinePPOConfig(AlgorithmConfig):
+    """VinePPO (Kazemnejad et al. 2024): PPO whose critic is Monte Carlo value estimates at each reasoning step."""
+
     group_size: int = Field(8, ge=1, description="trajectories sampled per prompt")
     mc_rollouts: int = Field(9, ge=1, description="K: Monte Carlo continuations per value state")
     max_value_steps: int = Field(32, ge=1, description="at most this many steps (value states) per response; "
                                                        "longer responses have neighbouring steps merged")
-    min_step_chars: int = Field(20, ge=0, description="shorter parts not ending in '.' merge into the next")
-    clip_eps: float = Field(0.2, gt=0, lt=1)
+    min_step_chars: int = Field(20, ge=0, description="a step shorter than this many characters that does not end "
+                                "in '.' merges into the next")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: "
+                            "[1 - eps, 1 + eps]")
     kl_coef: float = Field(1e-4, ge=0, description="k3 KL to the reference, as a loss")
-    whiten_advantages: bool = True
+    whiten_advantages: bool = Field(True, description="whiten the step advantages over the batch's response tokens")
 
 
 def split_steps(text: str, min_chars: int = 20) -> list[str]:
@@ -129,7 +133,7 @@ def score_from(finish_reason: str, reward: float) -> float:
 
 
 @register("vineppo")
-class VinePPO(StatelessMixin):
+class VinePPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient):
     Config = VinePPOConfig
     needs_value_head = False
 
@@ -145,7 +149,7 @@ class VinePPO(StatelessMixin):
         ends = [response_steps(ctx.tokenizer, r, c.min_step_chars, c.max_value_steps) for r in responses]
         states = [[(tuple(p), tuple(r[:j])) for j in value_state_prefixes(e)] for p, r, e in zip(prompt_ids, responses, ends)]
         state_meta = {s: m for row, m in zip(states, metas) for s in row}  # deduplicated across the batch
-        values = mc_value_estimates(self.mc_returns(ctx, state_meta))
+        values = mc_value_estimates(self._mc_returns(ctx, state_meta))
         step_values = [[values[s] for s in row] for row in states]
         advantages = [per_token(step_advantages(v, r), e) for v, r, e in zip(step_values, rewards, ends)]
         table = set_token_column(table, "advantages", advantages)
@@ -154,7 +158,7 @@ class VinePPO(StatelessMixin):
         table = set_rewards(table, rewards)
         return table.set_column(table.schema.get_field_index("meta"), "meta", pa.array([json.dumps(m) for m in metas]))
 
-    def mc_returns(self, ctx, state_meta: dict) -> dict:
+    def _mc_returns(self, ctx, state_meta: dict) -> dict:
         """K continuations from every value state, all in one generate call, each scored as a
         full response (prefix + continuation) within the original length budget."""
         base = ctx.sampling(n=self.config.mc_rollouts, seed=ctx.next_seed())

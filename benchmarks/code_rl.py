@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
     data = write_rows([rows[i] for i in WARMUP_PROBLEMS], out / "warmup.jsonl")
     init_ray()
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from sandbox import make_backend
 
     cfg = load_config("configs/rlef.yaml", [*SETTINGS, *argv, "task.name=code", f"task.train_path={data}",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.modeling import PolicyOnly, per_response_tokens  # noqa: E402
 from actors.reference import ReferenceWorker  # noqa: E402
-from algorithms.base import ModelOutputs  # noqa: E402
+from rlsys.contract import ModelOutputs  # noqa: E402
 from algorithms.distill import DAKD, schedule_steps  # noqa: E402
 from envs.arithmetic import ArithmeticTask  # noqa: E402
 from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer  # noqa: E402
@@ -42,8 +42,8 @@ from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_
 class RandomSubset(DAKD):
     """Ablation: DA-KD's schedule and stratified split, on random scores instead of DDS."""
 
-    def scores(self, ctx):
-        return np.random.default_rng(ctx.next_seed()).random(len(self.data(ctx)[0]))
+    def _scores(self, ctx):
+        return np.random.default_rng(ctx.next_seed()).random(len(self._training_ids(ctx)[0]))
 
 
 class LiveContext:
@@ -95,15 +95,15 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
     ctx = LiveContext(task, tok, teacher, student, args.seed)
     heldout = DAKD(algo.config.model_copy(update={"bdl_lambda": args.lam}))  # every arm scored on the same BDL
     heldout_batch = heldout.prepare(heldout_table(heldout, ctx, eval_rows))
-    trained, begin_epoch = [], algo.begin_epoch
+    trained, begin_epoch = [], algo._begin_epoch
 
     def traced_epoch(c):  # which rows each epoch trains on, for the single-digit share below
         begin_epoch(c)
         trained.extend(algo.order)
 
-    algo.begin_epoch = traced_epoch
+    algo._begin_epoch = traced_epoch
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr)
-    steps = schedule_steps(len(algo.data(ctx)[0]), args.epochs, args.batch, schedule)
+    steps = schedule_steps(len(algo._training_ids(ctx)[0]), args.epochs, args.batch, schedule)
     decay = (lambda s: 0.5 * (1 + math.cos(math.pi * s / steps))) if args.lr_schedule == "cosine" else (lambda s: 1.0)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, decay)  # the paper: AdamW, cosine decay over the run
     curve, samples = [(0, *heldout_loss(heldout, ctx, heldout_batch))], 0

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> None:
     overrides = [a for a in argv if "=" in a]
     init_ray()
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     out = Path(tempfile.mkdtemp(prefix="rlsys-bench-learning-"))
     cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.name=learning"])

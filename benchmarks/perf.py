@@ -80,7 +80,7 @@ class Bench:
         import torch
 
         from rlsys.config import load_config
-        from rlsys.controller import Controller
+        from rlsys.run.controller import Controller
 
         torch.set_num_threads(1)
         self.reps = reps
@@ -209,7 +209,8 @@ class Bench:
     def reference(self):
         """The reference worker's logprobs on the quickstart's step shape (each group's prompt run
         once) vs the plain forward over every row, same table, in-process."""
-        from actors.modeling import forward_logprobs, per_response_tokens
+        from actors.modeling import per_response_tokens
+        from rlsys.logprobs import forward_logprobs
         from actors.reference import ReferenceWorker
 
         worker = ReferenceWorker(self.policy_dir)
@@ -255,11 +256,14 @@ class Bench:
 
         from actors.reference import ReferenceWorker
         from actors.reward import RewardWorker
-        from rlsys.controller import ActorContext, PolicyActors
+        from rlsys.run.context import ActorContext, PolicyActors
+        from rlsys.run.weight_sync import ObjectStoreSync
 
         reward = ray.remote(RewardWorker).options(num_cpus=0.25).remote(self.policy_dir, reward_model_dir=str(rm_dir))
         reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(self.policy_dir)
-        ctx = ActorContext(self.cfg, self.tok, self.task, {"policy": PolicyActors([], [])}, reference, reward, 0)
+        policies = {"policy": PolicyActors([], [])}
+        ctx = ActorContext(self.cfg, self.tok, self.task, policies, reference, reward,
+                           ObjectStoreSync(policies, 60.0, ray.get), 0)
         table = self.step_table()
         together, apart = paired(lambda: ctx.score_and_ref_logprobs(table),
                                  lambda: (ctx.score(table), ctx.ref_logprobs(table)), self.reps)
@@ -284,7 +288,7 @@ class Bench:
 
         from actors.learner import Learner
         from algorithms.common import clipped_policy_loss
-        from rlsys.controller import free_port
+        from rlsys.cluster import free_port
         from rlsys.models import load_model
 
         l = self.cfg.learner
@@ -377,7 +381,7 @@ class Bench:
 
         from actors.learner import Learner
         from actors.rollout import RolloutWorker
-        from rlsys.controller import free_port
+        from rlsys.cluster import free_port
 
         learner = ray.remote(Learner).options(num_cpus=0.5).remote(
             policy_dir, self.controller.algorithm, lr=self.cfg.learner.lr, threads=1, master_port=free_port())
@@ -391,7 +395,9 @@ class Bench:
 
         from actors.learner import Learner
         from actors.rollout import RolloutWorker
-        from rlsys.controller import ActorContext, PolicyActors, free_port
+        from rlsys.cluster import free_port
+        from rlsys.run.context import ActorContext, PolicyActors
+        from rlsys.run.weight_sync import ObjectStoreSync
 
         l = self.cfg.learner
         learner = ray.remote(Learner).options(num_cpus=0.5).remote(
@@ -402,8 +408,9 @@ class Bench:
         state = self.weight_sync(learner, workers[0])
         ray.get(workers[0].load_weights.remote(0, state))  # back to version 0, as ActorContext expects
         reqs = self.requests(batch, new)
-        ctxs = [ActorContext(self.cfg, self.tok, self.task, {"policy": PolicyActors(workers[:n], [])}, None, None, 0)
-                for n in (1, 2)]
+        policies = [{"policy": PolicyActors(workers[:n], [])} for n in (1, 2)]
+        ctxs = [ActorContext(self.cfg, self.tok, self.task, p, None, None, ObjectStoreSync(p, 60.0, ray.get), 0)
+                for p in policies]
         t_one, t_two = paired(lambda: ctxs[0].generate(reqs), lambda: ctxs[1].generate(reqs), self.reps)
         one, two = batch * new / t_one, batch * new / t_two
         self.add(f"scaling: rollout tokens/s, 2 vs 1 workers (batch {batch}, {new} new)", f"{two:.0f}",
@@ -452,7 +459,7 @@ class Bench:
 
         from actors.modeling import state_dict_numpy
         from rlsys.config import load_config
-        from rlsys.controller import Controller
+        from rlsys.run.controller import Controller
         from rlsys.models import load_model
 
         torch.set_num_threads(1)  # as each rlsys actor (an earlier figure's libraries may have changed it)

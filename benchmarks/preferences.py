@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     init_ray(num_cpus=4)  # logical CPUs: two sets of actors share the machine
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     out = Path(tempfile.mkdtemp(prefix="rlsys-bench-preferences-"))
     common = [*DEFAULTS, *args.overrides, f"trainer.steps={args.steps}", f"run.output_dir={out}"]

@@ -200,7 +200,7 @@ def policy_accuracy_table(work: Path, args) -> None:
     """The quickstart's model warmed up on clean demonstrations (`--policy-steps` SFT steps),
     quantised by each method at 2/3/4 bits, scored on the 200 held-out problems."""
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     cfg = load_config("configs/quickstart.yaml", ["sft.demo_error=0", f"sft.steps={args.policy_steps}",
                                                   f"run.output_dir={work}", "run.name=policy"])

@@ -62,11 +62,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from actors.modeling import PolicyOnly
-    from algorithms.base import ModelOutputs, Prompt
+    from rlsys.contract import ModelOutputs, Prompt
     from algorithms.grpo import GRPO
     from rlsys.batch import collate_ids
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from rlsys.models import load_model
 
     out = Path(tempfile.mkdtemp(prefix="rlsys-sharpness-"))

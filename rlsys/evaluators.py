@@ -23,7 +23,9 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from rlsys import jobs
 from rlsys.config import ConfigError
+from rlsys.generation import GenerationRequest, SamplingParams
 
 NAMESPACE = "rlsys"
 MODEL_METRICS = ("reward_model", "judge")  # scored by a model: mean reward-model score, mean judge score in [0, 1]
@@ -163,9 +165,9 @@ class EvaluatorWorker:
     def __init__(self, policy_dir: str, spec: dict, task, max_new_tokens: int):
         import torch
 
-        from actors.rollout import RolloutWorker
-        from envs.datasets import read_rows
-        from rlsys.models import load_tokenizer
+        from actors.rollout import RolloutWorker  # actor code (torch): only the evaluator worker loads it
+        from envs.datasets import read_rows  # task data (pyarrow): only the worker reads rows
+        from rlsys.models import load_tokenizer  # torch: as above
 
         torch.set_num_threads(1)
         self.spec, self.task = EvaluatorSpec.model_validate(spec), task
@@ -177,19 +179,17 @@ class EvaluatorWorker:
         self.prompt_ids = [self.tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.rows]
         self.score = task.is_correct if s.metric == "accuracy" else None if s.metric in MODEL_METRICS else resolve_metric(s.metric)
         if s.metric == "reward_model":
-            from actors.reward import RewardModel
+            from actors.reward import RewardModel  # actor code: only the evaluator worker loads it
 
             self.reward_model = RewardModel(s.reward_model, tokenizer=self.tokenizer)
         elif s.metric == "judge":
-            from actors.judge import JudgeWorker
+            from actors.judge import JudgeWorker  # actor code: only the evaluator worker loads it
 
             self.judge = JudgeWorker(s.judge, options={"seed": s.seed})
         self.max_new_tokens = s.max_new_tokens or max_new_tokens
 
     def evaluate(self, version: int, weights) -> dict:
         import numpy as np
-
-        from rlsys.generation import GenerationRequest, SamplingParams
 
         if weights is not None and version != self.worker.version:
             self.worker.load_weights(version, weights)
@@ -212,7 +212,7 @@ class EvaluatorWorker:
         verdicts with the unparsable share beside it (absent when none parsed: no silent score)."""
         import numpy as np
 
-        from actors.judge import score_reward
+        from actors.judge import score_reward  # actor code: only the evaluator worker loads it
 
         prompts = [self.task.prompt_text(self.rows[i]) for i in row_index]
         out = {"n": float(len(self.rows))}
@@ -375,8 +375,6 @@ def cluster_info(target: str, address: str | None = None) -> dict:
     if not run_dir.is_dir():
         if not address:
             raise ConfigError(f"evaluator error: {target} is neither a run directory nor a job id with --address")
-        from rlsys import jobs
-
         try:
             meta = jobs.client(address).get_job_info(target).metadata or {}
         except Exception as e:

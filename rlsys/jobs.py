@@ -1,6 +1,6 @@
 """Ray Jobs: submit a run to a cluster, follow it, stop it (Job Submission API).
 
-The job's entrypoint is `python -m rlsys.cli run CONFIG ...` with this directory as its
+The job's entrypoint is `python -m rlsys.run.cli run CONFIG ...` with this directory as its
 working dir; its run dir is written under this directory's `runs/` (an absolute path,
 so on a remote cluster that path must be shared storage, or set run.output_dir).
 """
@@ -26,7 +26,7 @@ def token_auth_off_loopback(address: str) -> None:
     token authentication (RAY_AUTH_MODE=token, set before Ray reads it), with a token from
     RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; without one it stops with a
     one-line error (a ConfigError) instead of talking to the cluster unauthenticated."""
-    from rlsys.config import ConfigError
+    from rlsys.config import ConfigError  # pydantic: `rlsys job` commands that never validate stay light
 
     if is_loopback(address):
         return
@@ -53,7 +53,7 @@ def client(address: str):
 def submit(address: str, config: str, overrides: list[str], workdir: str = ".", metadata: dict | None = None) -> str:
     workdir = Path(workdir).resolve()
     output_dir = f"run.output_dir={workdir / 'runs'}"
-    args = ["python", "-m", "rlsys.cli", "run", config, output_dir, *overrides, "--no-progress"]
+    args = ["python", "-m", "rlsys.run.cli", "run", config, output_dir, *overrides, "--no-progress"]
     deadline = time.time() + 120
     while True:
         try:

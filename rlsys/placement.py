@@ -24,7 +24,7 @@ def rollout_actor_options(cfg: JobConfig) -> list[dict]:
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from actors.vllm_backend import rollout_placement
+    from actors.vllm_backend import rollout_placement  # floor module: actor code loads only on the vllm path
 
     gpus, needed = ray.cluster_resources().get("GPU", 0), r.num_workers * r.tensor_parallel_size
     if gpus < needed:

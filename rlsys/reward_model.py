@@ -23,6 +23,12 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from actors.modeling import quiet_transformers
+from actors.reward import encode_pairs, prompt_lengths, reward_scores, sequence_scores
+from envs.registry import make_task
+from rlsys.config import ConfigError, load_config
+from rlsys.models import TinyModelSpec, load_tokenizer, save_model_dir, train_tokenizer
+
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """-mean log sigmoid(r_w - r_l) over pairs."""
@@ -77,8 +83,6 @@ def build_reward_model(tokenizer, spec, seed: int = 0, init_dir: Optional[str] =
 def train_reward_model(model, tokenizer, pairs: Sequence[dict], steps: int, batch_size: int = 32, lr: float = 1e-3,
                        seed: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """AdamW on the Bradley-Terry loss over random minibatches of pairs; returns the losses."""
-    from actors.reward import encode_pairs, prompt_lengths, sequence_scores
-
     prompts = [p["prompt"] for p in pairs]
     chosen = encode_pairs(tokenizer, prompts, [p["chosen"] for p in pairs])
     rejected = encode_pairs(tokenizer, prompts, [p["rejected"] for p in pairs])
@@ -105,8 +109,6 @@ def train_reward_model(model, tokenizer, pairs: Sequence[dict], steps: int, batc
 
 def pairwise_accuracy(model, tokenizer, pairs: Sequence[dict]) -> float:
     """Share of pairs with r(chosen) > r(rejected)."""
-    from actors.reward import reward_scores
-
     prompts = [p["prompt"] for p in pairs]
     rc = reward_scores(model, tokenizer, prompts, [p["chosen"] for p in pairs])
     rr = reward_scores(model, tokenizer, prompts, [p["rejected"] for p in pairs])
@@ -117,9 +119,6 @@ def train_from_config(cfg, out: Path, steps: int, batch_size: int, lr: float, pe
                       init_dir: Optional[str] = None, log: Callable[[str], None] = lambda s: None) -> dict:
     """The whole job: task, tokenizer (trained on the task, or the init dir's), pairs, training,
     held-out accuracy, `save_pretrained` to `out`. Returns the report saved as out/rm_train.json."""
-    from envs.registry import make_task
-    from rlsys.models import TinyModelSpec, load_tokenizer, save_model_dir, train_tokenizer
-
     start = time.perf_counter()
     out = Path(out)
     task = make_task(cfg.task, out / "data", cfg.run.seed)
@@ -143,8 +142,6 @@ def train_from_config(cfg, out: Path, steps: int, batch_size: int, lr: float, pe
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlsys.config import load_config
-
     p = argparse.ArgumentParser(prog="rlsys rm", description="reward models")
     sub = p.add_subparsers(dest="action", required=True)
     t = sub.add_parser("train", help="train a Bradley-Terry reward model on the config's task")
@@ -158,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--init", default=None, help="start from a local causal LM dir (and its tokenizer)")
     t.add_argument("--threads", type=int, default=1, help="torch threads")
     args = p.parse_args(argv)
-    from rlsys.config import ConfigError
-
     for name in ("steps", "batch_size", "pairs_per_problem", "threads"):
         if getattr(args, name) < 1:
             raise ConfigError(f"rm error: --{name.replace('_', '-')} = {getattr(args, name)}: must be at least 1")
@@ -168,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.init and not (Path(args.init) / "config.json").exists():
         raise ConfigError(f"rm error: --init = {args.init!r}: not a model directory (no config.json)")
     cfg = load_config(args.config, args.overrides)
-    from actors.modeling import quiet_transformers
-
     quiet_transformers()
     torch.set_num_threads(args.threads)
     report = train_from_config(cfg, Path(args.out), args.steps, args.batch_size, args.lr, args.pairs_per_problem,

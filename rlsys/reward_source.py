@@ -25,14 +25,14 @@ def start_reward_actor(reward_cfg, policy_dir: Path, task, seed: int = 0):
     """The Ray actor behind `ctx.score`."""
     import ray
 
-    from actors.reward import RewardWorker
+    from actors.reward import RewardWorker  # floor module: actor code loads only where the actor starts
 
     if reward_cfg.source == "rule":
         return ray.remote(RewardWorker).options(num_cpus=0.1).remote(str(policy_dir), task=task)
     if reward_cfg.source == "model":
         return ray.remote(RewardWorker).options(num_cpus=0.1).remote(
             str(policy_dir), reward_model_dir=str(reward_cfg.model_dir))
-    from actors.judge import JudgeWorker
+    from actors.judge import JudgeWorker  # as above
 
     return ray.remote(JudgeWorker).options(num_cpus=0.25).remote(
         str(reward_cfg.judge_dir or policy_dir), tokenizer_dir=str(policy_dir), backend=reward_cfg.judge.backend,

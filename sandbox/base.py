@@ -1,5 +1,6 @@
-"""The backend protocol, the registry by name, and what every backend shares: checking a
-request, packing it for the in-sandbox bootstrap, and naming the outcome's status."""
+"""The backend protocol and what every backend shares: checking a request, packing it for the
+in-sandbox bootstrap, naming the outcome's status, and whether an engine is usable here. The
+backends by name are in backends.py (this module imports no backend)."""
 from __future__ import annotations
 
 import base64
@@ -10,7 +11,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from . import harness
 from .types import ExecRequest, ExecResult, Limits
@@ -33,33 +34,6 @@ class Backend(Protocol):
     def run(self, req: ExecRequest) -> ExecResult: ...
 
     def close(self) -> None: ...
-
-
-_REGISTRY: dict[str, Callable[..., Backend]] = {}
-
-
-def register(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def make_backend(name: str, **config) -> Backend:
-    """A backend by name: "bwrap", "docker", or "subprocess-unsafe" (no isolation at
-    all; the benchmark floor)."""
-    from . import bwrap, docker_backend, unsafe  # noqa: F401 - they register themselves
-
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown sandbox backend {name!r}; choose from {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**config)
-
-
-def backend_names() -> list[str]:
-    from . import bwrap, docker_backend, unsafe  # noqa: F401
-
-    return sorted(_REGISTRY)
 
 
 class BaseBackend:
@@ -201,9 +175,6 @@ def outcome(exit_code: int | None, *, timed_out: bool, output_exceeded: bool, oo
 def unavailable(name: str, **config) -> str:
     """Why backend `name` cannot run here ("" when it can): one line, for a skip reason
     or an error message. Starts nothing but a ping of the engine."""
-    import os
-    import shutil
-
     if name == "bwrap":
         rootfs = config.get("rootfs") or os.environ.get("RLSYS_SANDBOX_ROOTFS")
         if not shutil.which(config.get("bwrap", "bwrap")):
@@ -225,4 +196,6 @@ def unavailable(name: str, **config) -> str:
         except Exception as e:  # noqa: BLE001 - any failure is the reason
             return f"Docker-API engine unusable ({os.environ.get('DOCKER_HOST', 'default socket')}): {type(e).__name__}: {e}"[:300]
         return ""
-    return "" if name in backend_names() else f"unknown sandbox backend {name!r}"
+    if name == "subprocess-unsafe":
+        return ""  # runs on the host: nothing to set up
+    return f"unknown sandbox backend {name!r}"

@@ -31,7 +31,6 @@ JOIN_LIMIT_EXEC = ('fail() {{ echo "rlsys-bootstrap: $1" >&2; exit 125; }}; '
                    '&& ulimit -c 0 || fail "cannot set the rlimits"; exec "$@"')
 
 
-@base.register("bwrap")
 class BwrapBackend(base.BaseBackend):
     """`rootfs`: the sandbox root filesystem (default `$RLSYS_SANDBOX_ROOTFS`); without
     one the host's / is mounted read-only instead, with a warning."""

@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from .base import make_backend
+from .backends import make_backend
+from .image import build_rootfs, import_image
 from .types import ExecRequest, Limits
 
 
@@ -32,8 +33,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "image":
-        from .image import build_rootfs, import_image
-
         say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - stdout carries the result
         rootfs = build_rootfs(args.cache_dir, log=say)
         print(f"RLSYS_SANDBOX_ROOTFS={rootfs}")

@@ -18,7 +18,6 @@ CLEANUP = ["/bin/sh", "-c", "kill -9 -1; exit 0"]  # as nobody: every process of
 INIT_PIDS = 8  # the container's init and sleep, and the exec'd cleanup
 
 
-@base.register("docker")
 class DockerBackend(base.BaseBackend):
     """`base_url`: the engine's socket (default `$DOCKER_HOST`); `image`: the image
     `sandbox image` imported."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from .base import make_backend
+from .backends import make_backend
 from .types import ExecRequest, ExecResult
 
 GRACE_S = 30.0  # beyond the run's own wall limit before the pool gives up on a worker

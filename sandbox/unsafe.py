@@ -15,7 +15,6 @@ from .procio import collect, memfd
 from .types import ExecResult, Limits
 
 
-@base.register("subprocess-unsafe")
 class UnsafeSubprocessBackend(base.BaseBackend):
     name = "subprocess-unsafe"
 

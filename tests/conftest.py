@@ -14,7 +14,7 @@ RAY_TEMP = Path("/tmp") / f"rlsys-test-ray-{os.getpid()}"
 
 def _ray_auth_before_any_import() -> None:
     """Ray reads its auth settings when first imported, and a test module may import it (e.g.
-    through rlsys.controller) before the first test that starts the cluster: set them now."""
+    through rlsys.run.controller) before the first test that starts the cluster: set them now."""
     from rlsys.cluster import ray_env_for_local
 
     RAY_TEMP.mkdir(parents=True, exist_ok=True)

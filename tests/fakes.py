@@ -31,3 +31,6 @@ class TwoTokenContext:
         return [Generation(i, list(r.prompt_ids), [int(self.rng.integers(3, 9)), 2], [-1.0, -0.5], "stop",
                            embedding=self.rng.standard_normal(self.embedding_dim).tolist() if self.embedding_dim else None)
                 for i, r in enumerate(requests) for _ in range(r.params.n)]
+
+    def score_and_ref_logprobs(self, table):
+        return self.score(table), self.ref_logprobs(table)

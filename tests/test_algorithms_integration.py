@@ -25,7 +25,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("algorithm", sorted(EXPECTED))
 def test_two_steps_on_a_local_cluster(ray_cluster, tmp_path, algorithm):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     extra, samples, keys = EXPECTED[algorithm]
     cfg = load_config(f"configs/{algorithm}.yaml", [*TINY, *extra, f"run.output_dir={tmp_path}", f"run.name={algorithm}"])

@@ -9,7 +9,7 @@ from actors.rollout import HFBackend
 from algorithms.ampo import (
     AMPO, group_contrastive_loss, kmeans, optselect_cost, select_bottomk, select_coreset, select_optselect,
 )
-from algorithms.base import ModelOutputs, Prompt
+from rlsys.contract import ModelOutputs, Prompt
 from algorithms.pilaf import GroupedBatch
 from rlsys.config import ConfigError, validate_section
 from rlsys.generation import GenerationRequest, SamplingParams

@@ -251,7 +251,7 @@ def tiny(tmp_path_factory):
 
 
 def _prompts(task, tok, n):
-    from algorithms.base import Prompt
+    from rlsys.contract import Prompt
 
     rows = task.rows("train")[:n]
     return [Prompt(f"p{i}", tok(r["prompt"], add_special_tokens=False)["input_ids"], r["prompt"], r)
@@ -261,7 +261,7 @@ def _prompts(task, tok, n):
 @torch.no_grad()
 def test_shaped_reward_equals_the_models_logprob_of_the_gold_answer(tiny):
     from actors.modeling import PolicyOnly
-    from algorithms.base import ModelOutputs
+    from rlsys.contract import ModelOutputs
 
     task, tok, model, model_dir = tiny
     algo = BRiTE(BRiTE.Config(group_size=3, rationale_tokens=4, answer_tokens=3))
@@ -287,7 +287,7 @@ def test_shaped_reward_equals_the_models_logprob_of_the_gold_answer(tiny):
     batch = algo.prepare(table)
     assert algo.position == PhasePosition("theta", 0, 0)
     assert ((batch.advantages != 0) <= (batch.response_mask > 0)).all()
-    returns = algo.returns(table)  # sampler = reference here: the KL term is ~0, R = r
+    returns = algo._returns(table)  # sampler = reference here: the KL term is ~0, R = r
     assert returns == pytest.approx(table.column("shaped_reward").to_pylist(), abs=1e-3)
     expected = rloo_advantages(returns, table.column("group").to_pylist())
     for a, m, e in zip(batch.advantages, batch.response_mask, expected):
@@ -439,7 +439,7 @@ def test_psi_then_theta_across_a_resume_on_a_local_cluster(ray_cluster, tmp_path
     with posterior weights (theta_weights: posterior)."""
     import numpy as np
     from actors.modeling import state_dict_numpy
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from rlsys.models import load_model
     from rlsys.tracking import read_jsonl
 

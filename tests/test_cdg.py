@@ -219,7 +219,7 @@ def test_rest_play_step_pools_exactly_the_kept_rows(tokenizer, templates):
     algo = CDG(cfg)
     games, _ = play(tokenizer, templates, finals=3)
     rows = game_rows(games, templates, cfg.eta, 0, "play")
-    kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], algo.thresholds)]
+    kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], algo._thresholds)]
     # helpful flip 2/3 > 0.6 kept; misleading 1/3 dropped; prover contexts 2/3 > 0.5: their right finals kept
     assert {r["meta"]["role"] for r in kept} == {"helpful", "prover"}
     assert all(r["meta"]["final_ok"] for r in kept if r["meta"]["role"] == "prover")
@@ -290,15 +290,15 @@ def test_rest_phases_and_state_round_trip(tokenizer, templates):
     algo = CDG(CDGConfig(mode="rest", play_steps=2, sft_steps=3))
     assert (algo.round, algo.phase) == (0, "play")
     for _ in range(3):  # an empty pool keeps it playing
-        algo.advance()
+        algo._advance()
     assert algo.phase == "play"
     games, _ = play(tokenizer, templates)
     add_to_pool(algo.pool, [sft_sample(r) for r in game_rows(games, templates, 0.5, 0, "play")[:5]], 100)
-    algo.advance()
+    algo._advance()
     assert (algo.round, algo.phase, algo.phase_step) == (0, "sft", 0)
-    first = algo.sft_table(SeededContext())
-    algo.advance()
-    second = algo.sft_table(SeededContext())
+    first = algo._sft_table(SeededContext())
+    algo._advance()
+    second = algo._sft_table(SeededContext())
     assert algo.restarts_policy(first) and not algo.restarts_policy(second)  # only a round's first SFT step restarts
     assert not CDG(CDGConfig(mode="rest", restart_each_round=False)).restarts_policy(first)
     state = json.loads(json.dumps(algo.state()))  # checkpoints store it as json
@@ -306,7 +306,7 @@ def test_rest_phases_and_state_round_trip(tokenizer, templates):
     other.load_state(state)
     assert other.state() == algo.state() and (other.phase, other.phase_step) == ("sft", 1)
     for _ in range(2):
-        other.advance()
+        other._advance()
     assert (other.round, other.phase, other.phase_step) == (1, "play", 0)
     with pytest.raises(ValueError, match="mode 'rest'"):
         CDG(CDGConfig(mode="online")).load_state(state)
@@ -323,13 +323,13 @@ def test_prepare_and_loss_follow_the_phase(tokenizer, templates):
 
     algo.pool["prover"] = [sft_sample(r) for r in game_rows(games, templates, 0.5, 0, "play") if r["meta"]["role"] == "prover"]
 
-    sft = algo.sft_table(SeededContext())
+    sft = algo._sft_table(SeededContext())
     assert table_phase(sft) == "sft" and sft.num_rows == min(64, len(algo.pool["prover"]))
     assert set(sft.column("policy_version").to_pylist()) == {SeededContext.policy_version}
     assert algo.prepare_metrics(sft)["cdg/sft_prover"] == sft.num_rows
     batch = algo.prepare(sft)
     logprobs = torch.log(torch.rand(batch.response_mask.shape) * 0.9 + 0.05)
-    from algorithms.base import ModelOutputs
+    from rlsys.contract import ModelOutputs
     from algorithms.sft import sft_loss
 
     loss, metrics = algo.loss(ModelOutputs(None, logprobs), batch)
@@ -370,7 +370,7 @@ def test_gae_mode_is_ppo_with_a_value_head_stepping_over_the_critique(tokenizer,
     token and GAE steps over the tokens its model did not write (in the prover's row, the
     critique), so with zero values the advantage at z's last token is lam^len(z') x reward; the
     loss is PPO's, value loss included; `values_by_model` asks each row's own model."""
-    from algorithms.base import ModelOutputs
+    from rlsys.contract import ModelOutputs
     from algorithms.ppo import ppo_loss
 
     assert not CDG(CDGConfig()).needs_value_head and not CDG(CDGConfig(mode="rest")).needs_value_head
@@ -387,7 +387,7 @@ def test_gae_mode_is_ppo_with_a_value_head_stepping_over_the_critique(tokenizer,
             return [[0.0] * len(r) for r in part.column("response_ids").to_pylist()]
 
     ctx = ValueContext()
-    values = algo.values_by_model(ctx, table)
+    values = algo._values_by_model(ctx, table)
     assert sorted(ctx.asked) == [("critic", ["helpful", "misleading"]), ("prover", ["prover"])]
     from algorithms.base import set_token_column
 
@@ -432,7 +432,7 @@ MODES = {
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_two_steps_on_a_local_cluster(ray_cluster, tmp_path, mode):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     extra, keys = MODES[mode]
     cfg = load_config("configs/cdg.yaml", [*TINY, *extra, f"algorithm.mode={mode.split('-')[0]}",
@@ -477,7 +477,7 @@ def test_one_model_per_role_learns_from_its_own_rows_and_resumes(ray_cluster, tm
     beside the prover's in the checkpoint and comes back from it on resume."""
     import numpy as np
     from actors.modeling import state_dict_numpy
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from rlsys.models import load_model
 
     run_dir = tmp_path / "per_role"

@@ -176,12 +176,12 @@ def test_epoch_plan_follows_the_schedule_and_state_resumes_it(tiny):
 def test_scores_prepare_and_loss_on_real_models(tiny):
     task, tok, (student, teacher) = tiny
     algo = DAKD()
-    assert algo.scores(InProcessContext(task, tok, teacher, teacher)) == pytest.approx(np.ones(50))  # q = p
-    dds = DAKD().scores(InProcessContext(task, tok, student, teacher))
+    assert algo._scores(InProcessContext(task, tok, teacher, teacher)) == pytest.approx(np.ones(50))  # q = p
+    dds = DAKD()._scores(InProcessContext(task, tok, student, teacher))
     assert dds.shape == (50,) and (dds > 0).all() and dds.std() > 0
 
     from actors.modeling import PolicyOnly
-    from algorithms.base import ModelOutputs
+    from rlsys.contract import ModelOutputs
     from rlsys.models import load_model
 
     ctx = InProcessContext(task, tok, student, teacher)
@@ -234,7 +234,7 @@ TINY = [
 
 @pytest.mark.integration
 def test_distill_config_runs_on_a_local_cluster(ray_cluster, tmp_path):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     cfg = load_config("configs/distill.yaml", [*TINY, f"run.output_dir={tmp_path}"])
     summary = Controller(cfg, tmp_path / "distill", progress=False).run()

@@ -49,10 +49,10 @@ def test_spec_from_yaml_and_flags(tmp_path):
     path.write_text("- name\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_spec(str(path))
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", "eval", "attach", str(tmp_path), "--name", "x", "--n", "0"],
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", "eval", "attach", str(tmp_path), "--name", "x", "--n", "0"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip() == "evaluator error: n = 0: Input should be greater than or equal to 1"
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", "eval", "list", str(tmp_path)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", "eval", "list", str(tmp_path)], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().endswith("has no cluster.json (has the run started?)"), p.stderr
 
@@ -60,7 +60,7 @@ def test_spec_from_yaml_and_flags(tmp_path):
 def cli(*args):
     """The real CLI in a fresh process that knows the cluster only from cluster.json."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", *args], env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", *args], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout
 
@@ -77,7 +77,7 @@ def wait_for(condition, what: str, timeout: float = 120.0):
 
 
 def run_in_thread(cfg, run_dir, resume=False):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     controller = Controller(cfg, run_dir, progress=False)
     box = {}

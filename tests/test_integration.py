@@ -16,7 +16,7 @@ TINY = [
 
 
 def run_job(tmp_path, algorithm, extra=()):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", f"run.name={algorithm}",
                                                   f"algorithm.name={algorithm}", *extra])
@@ -77,7 +77,7 @@ def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cl
     import os
     import signal
 
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from rlsys.generation import GenerationRequest
 
     cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=faults",
@@ -99,7 +99,7 @@ def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cl
 def test_weight_sync_is_sent_unawaited_and_its_failure_surfaces_at_the_next_generate(ray_cluster, tmp_path):
     import time
 
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from rlsys.generation import GenerationRequest
     from rlsys.placement import WeightSyncTimeout
 
@@ -130,10 +130,10 @@ def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray
 
     from actors.learner import Learner
     from actors.modeling import PolicyOnly
-    from algorithms.base import ModelOutputs
+    from rlsys.contract import ModelOutputs
     from algorithms.grpo import GRPO
     from rlsys.batch import collate
-    from rlsys.controller import free_port
+    from rlsys.cluster import free_port
     from rlsys.experience import make_experience
     from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir, train_tokenizer
 
@@ -188,7 +188,7 @@ def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_c
     import signal
 
     from rlsys import checkpoint
-    from rlsys.controller import Controller, LearnerFailed
+    from rlsys.run.controller import Controller, LearnerFailed
 
     cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=learner_dies",
                                                   "rollout.num_workers=1"])

@@ -92,7 +92,7 @@ def head_node():
 
 
 def cli(env, *args, timeout=300):
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", *args], env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", *args], env=env, capture_output=True, text=True,
                        timeout=timeout)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout.strip()
@@ -165,11 +165,11 @@ def test_the_dashboard_off_loopback_needs_the_token(head_node):
         except urllib.error.URLError:
             assert time.time() < deadline, "the dashboard never came up"
             time.sleep(1)
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", "status", "no-such-job", "--address", remote], env=env,
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", "status", "no-such-job", "--address", remote], env=env,
                        capture_output=True, text=True, timeout=120)
     assert "not a loopback address" in p.stderr and "Unauthenticated" not in p.stderr + p.stdout
     assert "no-such-job" in p.stderr + p.stdout  # the cluster answered (the job does not exist), authenticated
     no_token = {**env, "RAY_AUTH_TOKEN_PATH": "/nonexistent/token", "HOME": "/nonexistent"}
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", "status", "no-such-job", "--address", remote], env=no_token,
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", "status", "no-such-job", "--address", remote], env=no_token,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "no Ray auth token was found" in p.stderr and "Traceback" not in p.stderr

@@ -56,7 +56,8 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(
     logprob and value, and their gradients, are the plain forward's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.modeling import PolicyOnly, PolicyWithValueHead, shared_prompt_logprobs
+    from actors.modeling import PolicyOnly, PolicyWithValueHead
+    from rlsys.logprobs import shared_prompt_logprobs
     from rlsys.batch import collate_ids
 
     spec = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -98,7 +99,7 @@ def test_reference_scores_of_rows_sharing_a_prompt_match_the_plain_forward(tmp_p
     """The reference worker (and the learner's `logprobs`, same path) scores a group's rows with
     its prompt run once: each response token's logprob and top-k distribution are the plain
     forward's, a multi-turn row's environment tokens included."""
-    from actors.modeling import forward_logprobs
+    from rlsys.logprobs import forward_logprobs
     from actors.reference import ReferenceWorker
     from rlsys.batch import collate, response_slices
     from rlsys.experience import make_experience

@@ -8,7 +8,7 @@ import torch
 
 from actors.modeling import pad_sequences
 from actors.rollout import HFBackend, ReferenceMixing
-from algorithms.base import ModelOutputs, Prompt
+from rlsys.contract import ModelOutputs, Prompt
 from algorithms.pilaf import PILAF, GroupedBatch, dpo_loss, label_pairs
 from rlsys.experience import meta_of
 from rlsys.generation import GenerationRequest, Interpolation, SamplingParams, interpolated_logits

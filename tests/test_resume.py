@@ -26,7 +26,7 @@ TINY = [
 
 
 def rlsys(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "rlsys.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "rlsys.run.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
 
 
@@ -103,7 +103,7 @@ def test_resume_without_checkpoint_and_rerun_into_a_used_dir_fail_in_one_line(tm
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("run:\n  name: r\n")
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", "resume", str(run_dir)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", "resume", str(run_dir)], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("no checkpoint to resume from"), p.stderr
 
@@ -112,7 +112,7 @@ def test_a_run_killed_between_its_checkpoint_and_the_steps_row_gets_the_row_back
     """The step's metrics row is written after its checkpoint; the checkpoint keeps the row, so a
     kill in between (emulated: the row is cut off the log) loses nothing on resume."""
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     overrides = [*TINY, "trainer.steps=2", f"run.output_dir={tmp_path}", "run.name=cut"]
     Controller(load_config("configs/quickstart.yaml", overrides), tmp_path / "cut", progress=False).run()

@@ -79,7 +79,7 @@ def test_preference_pairs_prefer_the_correct_answer(tmp_path):
 def trained_rm(tmp_path_factory):
     """A tiny reward model trained by the real CLI (`rlsys rm train`), saved with save_pretrained."""
     out = tmp_path_factory.mktemp("rm") / "rm"
-    p = subprocess.run([sys.executable, "-m", "rlsys.cli", "rm", "train", "configs/quickstart.yaml", *TINY[:3], *TINY_TASK,
+    p = subprocess.run([sys.executable, "-m", "rlsys.run.cli", "rm", "train", "configs/quickstart.yaml", *TINY[:3], *TINY_TASK,
                         "--out", str(out), "--steps", "300"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "held-out pairwise accuracy" in p.stdout
@@ -172,7 +172,7 @@ def test_model_metric_specs_fail_in_one_line(data, message):
 @pytest.mark.integration
 def test_two_grpo_steps_with_rewards_from_the_reward_model(ray_cluster, tmp_path, trained_rm):
     from actors.reward import RewardModel
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from rlsys.experience import make_experience
 
     cfg = load_config("configs/quickstart.yaml", [*TINY, "algorithm.group_size=4", "reward.source=model",

@@ -102,7 +102,7 @@ def test_config_errors_are_one_line(entries, message):
 
 
 def test_a_bad_shaping_entry_fails_when_the_controller_is_built(tmp_path):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     cfg = load_config("configs/quickstart.yaml", ["task.shaping=[{cosine_length: {max_length: 16, margin: 16}}]"])
     with pytest.raises(ConfigError, match=r"^config error: task.shaping\[0\].cosine_length = .*margin 16 must be below"):
@@ -111,7 +111,7 @@ def test_a_bad_shaping_entry_fails_when_the_controller_is_built(tmp_path):
 
 
 def test_shaping_a_judge_or_model_score_is_refused_not_ignored(tmp_path):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     cfg = load_config("configs/quickstart.yaml", ["task.shaping=[{repetition: {ngram: 2}}]", "reward.source=judge"])
     with pytest.raises(ConfigError, match=r"^config error: 'task.shaping' shapes the task's rule reward, but reward.source "
@@ -152,7 +152,7 @@ def test_make_task_and_reward_worker_apply_the_configured_shaping(tmp_path):
 
 @pytest.mark.integration
 def test_grpo_with_shaping_on_a_local_cluster(ray_cluster, tmp_path):
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from tests.test_algorithms_integration import TINY
 
     shaping = "task.shaping=[{cosine_length: {max_length: 24}}, {repetition: {ngram: 2}}]"

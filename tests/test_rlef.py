@@ -236,7 +236,7 @@ class ScriptedWorkers:
 def test_held_out_evaluation_is_the_papers_1_at_3(unsafe):
     """One episode per problem; a problem counts when its final code passes the private tests
     (here: right at once, right after one feedback turn), not when its first answer does."""
-    from algorithms.base import Prompt
+    from rlsys.contract import Prompt
     from rlsys.generation import SamplingParams
     from rlsys.models import train_tokenizer
 
@@ -317,7 +317,7 @@ def test_prepare_shares_the_advantage_per_turn_and_masks_feedback():
 
 
 def test_loss_masks_feedback_and_caps_the_importance_weight():
-    from algorithms.base import ModelOutputs
+    from rlsys.contract import ModelOutputs
     from algorithms.common import clipped_policy_loss
 
     table, _ = episode_table()
@@ -358,7 +358,7 @@ def test_run_fails_early_when_the_sandbox_engine_is_missing(tmp_path):
     import subprocess
     import sys
 
-    script = ("import sys; from rlsys.config import load_config; from rlsys.controller import Controller\n"
+    script = ("import sys; from rlsys.config import load_config; from rlsys.run.controller import Controller\n"
               "from rlsys.errors import RunFailed\n"
               f"cfg = load_config('configs/rlef.yaml', ['run.output_dir={tmp_path}'])\n"
               "try:\n    Controller(cfg, cfg.run.output_dir + '/rlef', progress=False).prepare_policy()\n"

@@ -22,7 +22,7 @@ def test_two_rlef_steps_with_the_sandbox_pool(ray_cluster, tmp_path):
     why = sandbox_skip_reason("bwrap")
     if why:
         pytest.skip(why)
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from sandbox.pool import SandboxPool
 
     cfg = load_config("configs/rlef.yaml", [*TINY, f"run.output_dir={tmp_path}", "run.name=rlef"])

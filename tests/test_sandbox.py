@@ -520,7 +520,7 @@ def test_stale_job_cgroups_are_swept():
 # ---------------------------------------------------------------- the CLI
 
 def rlsys(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "rlsys.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "rlsys.run.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120, **kw)
 
 

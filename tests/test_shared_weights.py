@@ -164,7 +164,7 @@ def test_files_of_dead_owners_are_removed_and_live_ones_kept(tmp_path):
 # ---- on Ray: the controller's default sync on one node ------------------------------------------
 def _controller(tmp_path, name: str, *overrides):
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", f"run.name={name}", *overrides])
     c = Controller(cfg, tmp_path / name, progress=False)
@@ -195,8 +195,8 @@ def test_auto_sync_on_one_node_goes_through_shared_memory_and_the_file_goes_with
         for worker in c.workers:
             served = _served(ray, worker)
             assert all(np.array_equal(served[k], learner[k]) for k in learner)
-    assert c.ctx.weights_ref is None  # no object-store copy unless one is needed
-    assert set(ray.get(c._weights_ref()).keys()) == set(learner)  # (an attached evaluator, say): asked of the learner
+    assert c.policies["policy"].weights_ref is None  # no object-store copy unless one is needed
+    assert set(ray.get(c.weights.weights_ref("policy")).keys()) == set(learner)  # (an attached evaluator, say): asked of the learner
     c.shutdown()
     assert not os.path.exists(shared.path)
 

@@ -8,7 +8,7 @@ import pytest
 from algorithms.vineppo import (
     VinePPO, cap_steps, mc_value_estimates, split_steps, step_advantages, step_token_ends, value_state_prefixes,
 )
-from algorithms.base import Prompt
+from rlsys.contract import Prompt
 from rlsys.experience import meta_of
 from rlsys.generation import Generation, SamplingParams
 
@@ -136,6 +136,9 @@ class TreeContext:
     def ref_logprobs(self, table):
         return [[0.0] * len(r) for r in table.column("response_ids").to_pylist()]
 
+    def score_and_ref_logprobs(self, table):
+        return self.score(table), self.ref_logprobs(table)
+
 
 def test_rollout_values_and_advantages_on_the_tree():
     ctx = TreeContext(seed=1)
@@ -171,7 +174,7 @@ def mc_errors(K, repeats, node_list):
     errors = []
     for _ in range(repeats):
         keys = {((ROOT,), node): {} for node in node_list}
-        values = mc_value_estimates(algo.mc_returns(ctx, keys))
+        values = mc_value_estimates(algo._mc_returns(ctx, keys))
         errors.append([values[((ROOT,), n)] - true_value(n) for n in node_list])
     return np.asarray(errors)
 
@@ -198,5 +201,5 @@ def test_truncated_rollouts_score_zero():
     algo = VinePPO(VinePPO.Config(mc_rollouts=8))
     good = (RIGHT, RIGHT, LEFT)
     ctx.sampling = lambda **o: dataclasses.replace(SamplingParams(max_new_tokens=DEPTH), **o)  # no room for the answer
-    returns = algo.mc_returns(ctx, {((ROOT,), good[:2]): {}})
+    returns = algo._mc_returns(ctx, {((ROOT,), good[:2]): {}})
     assert returns[((ROOT,), good[:2])] == [0.0] * 8

@@ -67,7 +67,7 @@ TINY = [
 def _broadcast_controller(tmp_path, name: str):
     """A started controller with two rollout workers under trainer.weight_sync=broadcast."""
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
 
     cfg = load_config("configs/quickstart.yaml", [*TINY, f"run.output_dir={tmp_path}", f"run.name={name}",
                                                   "rollout.num_workers=2", "trainer.weight_sync=broadcast",
@@ -99,7 +99,7 @@ def _served_equals_learner(ray, c, version: int) -> dict:
 
 @pytest.mark.integration
 def test_broadcast_sync_on_ray_arrives_bit_identical_and_advances_the_version(ray_cluster, tmp_path):
-    from rlsys.controller import WeightSyncTimeout
+    from rlsys.run.controller import WeightSyncTimeout
 
     ray = ray_cluster
     c = _broadcast_controller(tmp_path, "bcast")
@@ -110,7 +110,7 @@ def test_broadcast_sync_on_ray_arrives_bit_identical_and_advances_the_version(ra
     c.sync_weights(2)
     after = _served_equals_learner(ray, c, 2)
     assert all(not np.array_equal(before[k], after[k]) for k in after)
-    assert c.ctx.weights_ref is None  # no object-store copy of the weights (no evaluator attached)
+    assert c.policies["policy"].weights_ref is None  # no object-store copy of the weights (no evaluator attached)
     # a sync the learner never sends: the receivers wait, the controller fails loudly at the timeout
     c.cfg.trainer.sync_timeout_s = 3
     learners, c.learners = c.learners, []  # fault injection: no learner rank takes part
@@ -122,7 +122,7 @@ def test_broadcast_sync_on_ray_arrives_bit_identical_and_advances_the_version(ra
 @pytest.mark.integration
 def test_vllm_backend_on_a_cluster_without_gpus_fails_in_one_line(ray_cluster, tmp_path):
     from rlsys.config import load_config
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller
     from rlsys.errors import RunFailed
 
     cfg = load_config("configs/quickstart.yaml", [*TINY, "sft.steps=0", f"run.output_dir={tmp_path}", "run.name=v",

@@ -11,6 +11,8 @@ import tempfile
 
 import torch
 
+from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
+
 from .attack import PROPOSALS, AttackConfig
 from .cascade import BACKENDS
 from .evaluate import evaluate, markdown_table, random_prompts
@@ -50,8 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_and_prompts(args):
-    from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer
-
     if args.model:
         model = load_model(args.model).eval()
     else:

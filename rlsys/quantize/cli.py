@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from rlsys.models import load_model, load_tokenizer
+
 from .calib import calibration_from_model, calibration_from_text
 from .model import METHODS, QuantConfig, average_bits, check_config, quantize_model, save_quantized
 
@@ -59,8 +61,6 @@ def _quiet_load(load_model, path: Path):
 
 def run(args: argparse.Namespace) -> str:
     """Quantise as `args` says; return the summary line. Raises ValueError/FileNotFoundError."""
-    from rlsys.models import load_model, load_tokenizer
-
     src, out = Path(args.model_dir), Path(args.out)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not a model directory (no config.json)")

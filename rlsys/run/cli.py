@@ -10,12 +10,15 @@ import os
 import sys
 from pathlib import Path
 
+from envs.datasets import DatasetError
+from rlsys.checkpoint import CheckpointError
+from rlsys.config import ConfigError, config_reference, load_config
+from rlsys.errors import RunFailed
+
 
 def _resume(args) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").exists():
-        from rlsys.config import ConfigError
-
         raise ConfigError(f"config error: {run_dir} is not a run directory (no config.yaml)")
     args.config, args.resume = str(run_dir / "config.yaml"), True
     args.overrides = [f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *args.overrides]
@@ -23,17 +26,17 @@ def _resume(args) -> int:
 
 
 def _run(args) -> int:
-    from rlsys.cluster import init_ray
-    from rlsys.config import load_config
+    from rlsys.cluster import init_ray  # lazy: ray, only for the commands that start a run
 
     cfg = load_config(args.config, args.overrides)
-    from algorithms.base import build_algorithm
+    from algorithms.base import build_algorithm  # lazy: torch and the algorithms, only where a config is built
 
-    build_algorithm(cfg)  # the algorithm's own keys, checked before any actor starts
+    algorithm = build_algorithm(cfg)  # its keys and the rules across sections, checked before any actor starts
     init_ray(cfg.ray.address, cfg.ray.num_cpus)  # before anything imports ray
-    from rlsys.controller import Controller
+    from rlsys.run.controller import Controller  # lazy: after init_ray (ray, deepspeed, the actors)
 
-    controller = Controller(cfg, Path(cfg.run.output_dir) / cfg.run.name, progress=not args.no_progress)
+    controller = Controller(cfg, Path(cfg.run.output_dir) / cfg.run.name, progress=not args.no_progress,
+                            algorithm=algorithm)
     run_dir = controller.run_dir
     summary = controller.run(resume=args.resume)
     print(
@@ -46,9 +49,8 @@ def _run(args) -> int:
 
 
 def _submit(args) -> int:
-    from algorithms.base import build_algorithm
-    from rlsys import jobs
-    from rlsys.config import load_config
+    from algorithms.base import build_algorithm  # lazy: torch and the algorithms, only where a config is built
+    from rlsys import jobs  # lazy: ray's job client, only for the job commands
 
     cfg = load_config(args.config, [f"run.output_dir={Path.cwd() / 'runs'}", *args.overrides])  # as jobs.submit does
     build_algorithm(cfg)  # a bad config fails here, not on the cluster
@@ -57,8 +59,20 @@ def _submit(args) -> int:
     return 0
 
 
+def _config_doc(args) -> int:
+    from algorithms.base import available, get_algorithm  # lazy: torch and the algorithms
+
+    text = config_reference({name: get_algorithm(name) for name in available()})
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} ({text.count(chr(10))} lines)")
+    return 0
+
+
 def _job_command(args) -> int:
-    from rlsys import jobs
+    from rlsys import jobs  # lazy: ray's job client, only for the job commands
 
     if args.command == "status":
         print(jobs.status(args.address, args.job))
@@ -69,12 +83,12 @@ def _job_command(args) -> int:
     return 0
 
 
-SPEC_FLAGS = ("name", "split", "dataset", "metric", "reward_model", "judge", "temperature", "n", "max_new_tokens", "limit",
-              "every", "seed")
+SPEC_FLAGS = ("name", "split", "dataset", "metric", "reward_model", "judge", "temperature", "n", "max_new_tokens",
+              "limit", "every", "seed")
 
 
 def _eval(args) -> int:
-    from rlsys import evaluators
+    from rlsys import evaluators  # lazy: ray, only for the eval commands
 
     if args.action == "attach":
         spec = evaluators.load_spec(args.spec, {k: getattr(args, k) for k in SPEC_FLAGS})
@@ -146,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
             j.add_argument("--follow", "-f", action="store_true")
         j.set_defaults(func=_job_command)
     _eval_parser(sub)
+    config = sub.add_parser("config", help="the configuration reference").add_subparsers(dest="action", required=True)
+    doc = config.add_parser("doc", help="every config key, its type, default and description, as markdown")
+    doc.add_argument("--output", "-o", default=None, help="write it here (the repo keeps docs/configuration.md); "
+                     "default: stdout")
+    doc.set_defaults(func=_config_doc)
     for name, module, prefix in (
         ("sandbox", "sandbox.cli", []),
         ("quantize", "rlsys.quantize.cli", []),
@@ -159,11 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from envs.datasets import DatasetError
-    from rlsys.checkpoint import CheckpointError
-    from rlsys.config import ConfigError
-    from rlsys.errors import RunFailed
-
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

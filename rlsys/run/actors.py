@@ -1,0 +1,158 @@
+"""Starting a run's actors, and the learner ranks' calls (a dead rank ends the run in one line)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from actors.learner import Learner
+from actors.reference import ReferenceWorker
+from actors.rollout import RolloutWorker
+from rlsys.buffer import ExperienceBuffer
+from rlsys.checkpoint import candidates
+from rlsys.cluster import free_port
+from rlsys.config import JobConfig
+from rlsys.contract import Algorithm, policy_names
+from rlsys.errors import LearnerFailed, RunFailed
+from rlsys.placement import learner_gpus, rollout_actor_options, vllm_options
+from rlsys.reward_source import start_reward_actor
+from rlsys.run.context import PolicyActors
+
+
+@dataclass
+class RunActors:
+    """Every actor of a run: per trained policy its rollout workers and learner ranks (the run's
+    policy first), the reference, the reward source and the experience buffer."""
+
+    policies: dict[str, PolicyActors]
+    reference: object
+    reward: object
+    buffer: object
+
+    def all(self) -> list:
+        return [self.reference, self.reward, self.buffer, *(a for p in self.policies.values()
+                                                            for a in [*p.workers, *p.learners])]
+
+
+def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -> RunActors:
+    """The run's actors from the initial policy in `policy_dir`, started and answering; RunFailed
+    (and none left queued on the cluster) when they do not start in trainer.start_timeout_s."""
+    r, l = cfg.rollout, cfg.learner
+    opts = dict(max_restarts=-1, max_task_retries=2)
+    temperature = r.temperature if r.temperature > 0 else 1.0
+
+    def worker(i, **placement):
+        return ray.remote(RolloutWorker).options(**placement, **opts).remote(
+            str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized,
+            specache=r.specache_settings(), backend_options=vllm_options(cfg, i), decode=r.decode)
+
+    def learner(rank, world_size, port, **placement):
+        return ray.remote(Learner).options(**placement).remote(
+            str(policy_dir), algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
+            zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
+            threads=l.threads, rank=rank, world_size=world_size, master_port=port, seed=cfg.run.seed,
+            bf16=l.bf16, **learner_schedule(cfg))
+
+    port = free_port()
+    names = policy_names(algorithm)
+    policies = {names[0]: PolicyActors([worker(i, **placement) for i, placement in enumerate(rollout_actor_options(cfg))],
+                                       [learner(rank, l.num_ranks, port, num_cpus=0.5, num_gpus=learner_gpus(cfg))
+                                        for rank in range(l.num_ranks)])}
+    # further policies (CDG's per-role copies): one CPU rollout worker and one learner rank each, all
+    # from the same initial policy; small CPU shares so they fit beside the run's policy on 2 cores
+    for name in names[1:]:
+        policies[name] = PolicyActors([worker(0, num_cpus=0.1)], [learner(0, 1, free_port(), num_cpus=0.1)])
+    run = RunActors(policies,
+                    reference=ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature),
+                    reward=start_reward_actor(cfg.reward, policy_dir, task, cfg.run.seed),
+                    buffer=ray.remote(ExperienceBuffer).options(num_cpus=0.1).remote(
+                        cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed))
+    try:
+        started([a.ready.remote() for p in policies.values() for a in p.learners] +
+                [w.policy_version.remote() for p in policies.values() for w in p.workers], cfg.trainer.start_timeout_s)
+    except RunFailed:
+        for actor in run.all():
+            ray.kill(actor)
+        raise
+    return run
+
+
+def started(first_calls: list, timeout: float) -> None:
+    """Wait for the actors' first calls; RunFailed when they do not answer within `timeout`,
+    naming the cluster's free logical CPUs (a cluster too small for the run's actors, or busy
+    with another run, would otherwise leave them pending without a word)."""
+    ready, pending = ray.wait(first_calls, num_returns=len(first_calls), timeout=timeout)
+    if pending:
+        free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
+        raise RunFailed(f"{len(pending)} of {len(first_calls)} rollout/learner actors did not start within {timeout:.0f} s "
+                        f"(trainer.start_timeout_s); the cluster has {free:.2f} of {total:.0f} logical CPUs free: another "
+                        f"job on it, or too few CPUs (ray.num_cpus)")
+    ray.get(ready)
+
+
+def learner_schedule(cfg: JobConfig) -> dict:
+    """The learner's lr schedule in optimizer steps (epochs x minibatches per trainer step)."""
+    l = cfg.learner
+    per_step = l.epochs * l.minibatches
+    return dict(lr_schedule=l.lr_schedule, warmup_steps=l.warmup_steps * per_step,
+                total_steps=cfg.trainer.steps * per_step, min_lr_ratio=l.min_lr_ratio)
+
+
+class Learners:
+    """The learner ranks of every trained policy: a step's train calls, their metrics, restarts.
+    A dead rank ends the run with one line naming it and the checkpoint to resume from (the
+    DeepSpeed group cannot go on without it)."""
+
+    def __init__(self, policies: dict[str, PolicyActors], run_dir: Path):
+        self.policies, self.run_dir = policies, Path(run_dir)
+        self.main_policy = next(iter(policies))
+        self.step = 0  # the step being trained, for the error line
+
+    def train(self, batches: dict, version: int, weights) -> dict[str, list]:
+        """Each policy's batch to its ranks, not awaited; `weights` says where a rank writes the
+        new weights as part of its step (a shared-memory slot) or None."""
+        training = {}
+        for name, batch in batches.items():
+            p, slot = self.policies[name], weights.train_slot(name, version)
+            training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, batch.split(len(p.learners)))]
+        return training
+
+    def wait(self, training: dict[str, list]) -> dict[str, float]:
+        """The step's metrics: the run's policy's plain, the others' under "<name>/"."""
+        metrics = {}
+        for name, refs in training.items():
+            prefix = "" if name == self.main_policy else f"{name}/"
+            metrics.update({prefix + k: v for k, v in rank_means(self.get(refs)).items()})
+        return metrics
+
+    def restart(self, policy_dir: Path) -> None:
+        """Every rank back to the initial policy (a ReST round retrains from the start)."""
+        self.get([l.restart.remote(str(policy_dir)) for p in self.policies.values() for l in p.learners])
+
+    def get(self, refs: list) -> list:
+        """`ray.get` of learner calls; LearnerFailed naming the dead rank when one died."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            learners = self.policies[self.main_policy].learners
+            dead = []
+            for rank, learner in enumerate(learners):
+                try:
+                    ray.get(learner.ready.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - any failure to answer counts as dead
+                    dead.append(rank)
+            saved = candidates(self.run_dir / "checkpoints")
+            resume = (f"resume from {saved[0].name} with `rlsys resume {self.run_dir}`" if saved
+                      else "no checkpoint was written yet (set trainer.checkpoint_every)")
+            cause = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise LearnerFailed(f"learner rank {', '.join(map(str, dead)) or '?'} of {len(learners)} died during "
+                                f"step {self.step + 1} ({cause}); the run stopped: {resume}") from None
+
+
+def rank_means(rank_metrics: list[dict]) -> dict[str, float]:
+    """The learner ranks' step metrics, averaged over the ranks that report each one."""
+    out = {k: float(np.mean([m[k] for m in rank_metrics if k in m])) for k in rank_metrics[0]}
+    out.pop("time/train_rank", None)
+    return out

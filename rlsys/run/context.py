@@ -1,0 +1,171 @@
+"""The `RolloutContext` algorithms are given: the run's actors behind plain calls, timed per phase."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import numpy as np
+import ray
+
+from rlsys.config import JobConfig
+from rlsys.errors import RunFailed
+from rlsys.generation import SamplingParams
+
+
+@dataclasses.dataclass
+class PolicyActors:
+    """The actors of one trained policy: its rollout workers, its learner ranks, the newest
+    weights synced to the workers through the object store (None: the initial policy on disk,
+    or not asked for under the other syncs) and its shared-memory weights file's layout (None:
+    it syncs through the object store or the broadcast group)."""
+
+    workers: list
+    learners: list
+    weights_ref: object = None
+    shared: object = None
+
+
+class ActorContext:
+    """The `RolloutContext` algorithms see: actor calls behind plain methods, timed per phase.
+    `policies` holds every trained policy by name, the first being the run's policy (most
+    algorithms train just that one; CDG with `algorithm.models` trains one per role)."""
+
+    def __init__(self, cfg: JobConfig, tokenizer, task, policies: dict[str, PolicyActors], reference, reward,
+                 weights, seed: int):
+        self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
+        self.policies, self.main_policy = policies, next(iter(policies))
+        self.reference, self.reward = reference, reward
+        self.weights = weights  # the run's WeightSync: a sync in flight is awaited before results are used
+        self.policy_version = 0
+        self.rng = np.random.default_rng(seed)
+        self.timings: dict[str, float] = defaultdict(float)
+        self.tokens_generated = 0
+        self.restarted_workers = 0
+        self.reference_version = None  # the policy version the reference holds (None: the initial policy)
+        self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
+        self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
+
+    @property
+    def workers(self) -> list:
+        return self.policies[self.main_policy].workers
+
+    @property
+    def learners(self) -> list:
+        return self.policies[self.main_policy].learners
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.timings[phase] += time.perf_counter() - start
+
+    def sampling(self, **overrides) -> SamplingParams:
+        r = self.cfg.rollout
+        base = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, stop_token_ids=(self.tokenizer.eos_token_id,))
+        return dataclasses.replace(base, **overrides)
+
+    def next_seed(self) -> int:
+        return int(self.rng.integers(0, 2**31 - 1))
+
+    def settle_sync(self) -> None:
+        """Wait for the weight sync sent last; its errors (a dead learner rank, a worker that
+        did not acknowledge in time) surface here."""
+        with self.timed("sync"):
+            self.weights.settle()
+
+    def generate(self, requests, policy: str | None = None):
+        """Contiguous shares of the requests to each worker of `policy` (the run's policy when
+        None); results back in request order. A worker that Ray restarted after a crash comes
+        back with the initial weights: it is given the current ones and its share generated
+        again, so no sample is stale or lost."""
+        policy = policy or self.main_policy
+        return self.generate_each({policy: requests})[policy]
+
+    def generate_each(self, requests_by_policy: dict) -> dict:
+        """`generate` for several policies at once (CDG's per-role models): every worker's share
+        is sent before any is awaited, so the models' workers generate side by side. A weight
+        sync still in flight is awaited after the calls are sent (a worker runs its calls in
+        order: it loads the weights, then generates) and before any result is used."""
+        with self.timed("generate"):
+            calls = []
+            for policy, requests in requests_by_policy.items():
+                served = self.policies[policy]
+                shares = np.array_split(np.arange(len(requests)), len(served.workers))
+                for w, (worker, idx) in enumerate(zip(served.workers, shares)):
+                    if len(idx):
+                        part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w))
+                                for i in idx]
+                        calls.append((policy, worker, idx, part, worker.generate.remote(part)))
+        self.settle_sync()  # a failed sync raises here, before rows by the old weights are used
+        with self.timed("generate"):
+            out = {policy: [] for policy in requests_by_policy}
+            for policy, worker, idx, part, fut in calls:
+                gens = ray.get(fut)
+                if any(g.policy_version != self.policy_version for g in gens):
+                    self.weights.readmit(policy, worker)
+                    self.restarted_workers += 1
+                    gens = ray.get(worker.generate.remote(part))
+                for g in gens:
+                    g.request_index = int(idx[g.request_index])
+                    out[policy].append(g)
+            self.tokens_generated += sum(len(g.response_ids) for gens in out.values() for g in gens)
+            return out
+
+    def score(self, table):
+        with self.timed("reward"):
+            return ray.get(self.reward.score.remote(table))
+
+    def ref_logprobs(self, table):
+        with self.timed("reference"):
+            return ray.get(self.reference.logprobs.remote(table))
+
+    def score_and_ref_logprobs(self, table):
+        """`score` and `ref_logprobs` of one table, the reward and reference workers working at
+        once; each phase's time runs from the common start to its own answer (they overlap)."""
+        start = time.perf_counter()
+        rewards, ref_logprobs = self.reward.score.remote(table), self.reference.logprobs.remote(table)
+        rewards = ray.get(rewards)
+        self.timings["reward"] += time.perf_counter() - start
+        ref_logprobs = ray.get(ref_logprobs)
+        self.timings["reference"] += time.perf_counter() - start
+        return rewards, ref_logprobs
+
+    def anchor_reference(self) -> None:
+        """Load the learner's current weights into the reference worker: the KL anchor becomes
+        the current policy (BRiTE's P(.|x, theta_t)) until the next call; checkpoints keep it."""
+        with self.timed("reference"):
+            refs = [l.weights.remote() for l in self.learners]  # ZeRO-3: every rank joins the gather
+            ray.get([self.reference.load_weights.remote(refs[0]), *refs[1:]])
+            self.reference_version = self.policy_version
+
+    def values(self, table, policy: str | None = None):
+        """Value-head estimates per token of `table` from `policy`'s learner (the run's policy by default)."""
+        with self.timed("values"):
+            return ray.get(self.policies[policy or self.main_policy].learners[0].values.remote(table))
+
+    def policy_logprobs(self, table):
+        with self.timed("policy_logprobs"):
+            return ray.get(self.learners[0].logprobs.remote(table))
+
+    def teacher_logprobs(self, table):
+        with self.timed("teacher"):
+            return ray.get(self.teacher.logprobs.remote(table))
+
+    def execute(self, requests):
+        """Sandboxed runs (sandbox.ExecRequest), all sent to the pool at once; results in order."""
+        if self.sandbox is None:
+            raise RunFailed(f"algorithm '{self.cfg.algorithm.name}' runs code, but task '{self.cfg.task.name}' has no "
+                            f"sandbox pool (a task that runs code: task.name=code)")
+        with self.timed("sandbox"):
+            return self.sandbox.run_many(list(requests))
+
+    def teacher_top_logprobs(self, table, k: int = 0):
+        with self.timed("teacher"):
+            return ray.get(self.teacher.top_logprobs.remote(table, k))
+
+
+def _worker_seeded(params: SamplingParams, worker: int) -> SamplingParams:
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + 7919 * worker)

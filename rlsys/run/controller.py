@@ -1,0 +1,258 @@
+"""The controller: builds a run (task, initial policy, actors, weight sync, rollout source) and
+runs `loop.train` on it, top to bottom.
+
+    prompts -> Algorithm.rollout (rollout workers, reward, reference) -> ExperienceBuffer
+            -> Algorithm.prepare -> Learner.train_step (all ranks) -> weight sync -> log/eval
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from actors.reference import ReferenceWorker
+from algorithms.base import build_algorithm
+from algorithms.sft import warmup
+from envs.registry import make_task
+from envs.rewards import build_shaping
+from rlsys.checkpoint import CheckpointError, candidates
+from rlsys.config import ConfigError, JobConfig, dump_config
+from rlsys.contract import Algorithm, EvaluatesItself, HasTeacher, HasWarmupTask, Prompt
+from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (re-exported for tests and users)
+from rlsys.evaluators import AttachedEvaluators, write_cluster_info
+from rlsys.generation import GenerationRequest
+from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
+from rlsys.run import checkpointing, loop
+from rlsys.run.actors import Learners, start_actors
+from rlsys.run.context import ActorContext
+from rlsys.run.rollouts import PromptStream, RolloutSource
+from rlsys.run.weight_sync import make_weight_sync
+from rlsys.tracking import Tracker, read_jsonl
+from sandbox.base import unavailable
+from sandbox.pool import SandboxPool
+from sandbox.types import Limits
+
+
+class Controller:
+    """One run: `run()` prepares the initial policy, starts the actors and trains to the end.
+    Its parts, for the loop and for tests: `ctx` (the RolloutContext), `rollouts`, `learner_group`,
+    `weights` (the weight-sync strategy), `policies` (each trained policy's actors), `attached`."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path, progress: bool = True, algorithm: Algorithm | None = None):
+        self.cfg, self.run_dir, self.progress = cfg, Path(run_dir), progress
+        self.algorithm = algorithm or build_algorithm(cfg)  # config errors surface before anything starts
+        build_shaping(cfg.task.shaping)  # and those of task.shaping (make_task builds it again)
+        self.step = 0
+        self.attached = None  # the run's AttachedEvaluators, opened by run()
+
+    # the run's policy (the first of `self.policies`): its rollout workers and learner ranks
+    @property
+    def workers(self) -> list:
+        return self.policies[self.ctx.main_policy].workers
+
+    @property
+    def learners(self) -> list:
+        return self.policies[self.ctx.main_policy].learners
+
+    @learners.setter
+    def learners(self, learners: list) -> None:
+        self.policies[self.ctx.main_policy].learners = learners
+
+
+    def prepare_policy(self) -> Path:
+        """Tokenizer + initial policy (tiny model from config, or a local HF dir), SFT warm-up,
+        saved once to run_dir/policy_init; later calls reuse it."""
+        cfg = self.cfg
+        self.task = make_task(cfg.task, self.run_dir / "data", cfg.run.seed)
+        self._check_sandbox()
+        init_dir = self.run_dir / "policy_init"
+        if (init_dir / "config.json").exists():
+            self.tokenizer = load_tokenizer(init_dir)
+            return init_dir
+        if cfg.model.path:
+            model, tokenizer = load_model(cfg.model.path), load_tokenizer(cfg.model.path)
+        else:
+            tokenizer = train_tokenizer(self.task.corpus(), cfg.model.vocab_size)
+            model = build_tiny_model(TinyModelSpec.from_config(cfg.model), tokenizer, seed=cfg.run.seed)
+        if cfg.sft.steps:
+            bar = progress_bar(cfg.sft.steps, "warm-up", self.progress)
+            warm = (self.algorithm.warmup_task(self.task, tokenizer) if isinstance(self.algorithm, HasWarmupTask)
+                    else self.task)
+            if cfg.sft.demo_error and not hasattr(warm, "flawed_demonstration"):
+                raise ConfigError(f"config error: 'sft.demo_error'={cfg.sft.demo_error}: task '{cfg.task.name}' has no "
+                                  f"flawed demonstrations (allowed: 0)")
+            warmup(model, tokenizer, warm, warm.rows("train"), cfg.sft.steps, cfg.sft.batch_size,
+                   cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update(),
+                   demo_error=cfg.sft.demo_error)
+            bar.close()
+        save_model_dir(model, tokenizer, init_dir)
+        self.tokenizer = tokenizer
+        return init_dir
+
+    def start_actors(self, policy_dir: Path) -> None:
+        """The actors, the weight sync between them, the context algorithms see and the rollout source."""
+        cfg = self.cfg
+        self.policy_dir = Path(policy_dir)  # the initial policy (a learner restart goes back to it)
+        teacher_dir = (self.algorithm.teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)
+                       if isinstance(self.algorithm, HasTeacher) else None)  # DA-KD: trained or checked before any actor
+        actors = start_actors(cfg, self.algorithm, self.policy_dir, self.task)
+        self.policies, self.reference, self.reward, self.buffer = (actors.policies, actors.reference, actors.reward,
+                                                                    actors.buffer)
+        self.learner_group = Learners(self.policies, self.run_dir)
+        try:
+            self.weights = make_weight_sync(cfg, self.policies, self.learner_group.get)
+        except Exception:
+            self._kill(actors.all())
+            raise
+        self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward,
+                                self.weights, cfg.run.seed)
+        if teacher_dir:
+            temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+            self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
+        if getattr(self.task, "needs_sandbox", False):
+            self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)
+        self.stream = PromptStream([self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))],
+                                   cfg.run.seed)
+        self.rollouts = RolloutSource(self.algorithm, self.ctx, self.buffer, self.stream, cfg.trainer.prompts_per_step,
+                                      cfg.trainer.overlap_rollout, cfg.trainer.steps)
+
+    def shutdown(self) -> None:
+        """Kill the run's actors (tests that start a second controller)."""
+        self.weights.close()
+        self._kill([self.reference, self.reward, self.buffer,
+                    *(a for p in self.policies.values() for a in [*p.workers, *p.learners])])
+
+    @staticmethod
+    def _kill(actors: list) -> None:
+        for actor in actors:
+            ray.kill(actor)
+
+    def _check_sandbox(self) -> None:
+        """A task that runs code gets the configured backend and limits, or the run stops here
+        with one line saying why the sandbox engine is unusable."""
+        if not getattr(self.task, "needs_sandbox", False):
+            return
+        s = self.cfg.sandbox
+        why = unavailable(s.backend)
+        if why:
+            raise RunFailed(f"task '{self.cfg.task.name}' runs code in the {s.backend} sandbox, which is unavailable "
+                            f"here: {why} (set up the engines: .ci/setup_sandbox.sh; or set sandbox.backend)")
+        self.task.use_sandbox(s.backend, Limits(wall_time_s=s.wall_time_s, cpu_time_s=s.cpu_time_s, memory_mb=s.memory_mb))
+
+    def _prompt(self, uid: str, row: dict) -> Prompt:
+        text = self.task.prompt_text(row)
+        return Prompt(uid, self.tokenizer(text, add_special_tokens=False)["input_ids"], text, row)
+
+    def _prompt(self, uid: str, row: dict) -> Prompt:
+        text = self.task.prompt_text(row)
+        return Prompt(uid, self.tokenizer(text, add_special_tokens=False)["input_ids"], text, row)
+
+    # ---- what the loop calls ------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One policy update (sample -> prepare -> train -> sync): the step's metrics."""
+        self.learner_group.step = self.step
+        return loop.update(self)
+
+    def sync_weights(self, version: int, training: dict[str, list] | None = None) -> None:
+        """The learners' weights at `version` toward every rollout worker, by the run's strategy;
+        `training`: per policy, this step's train calls (a shared-memory load waits on them)."""
+        with self.ctx.timed("sync"):
+            self.weights.send(version, training)
+        self.ctx.policy_version = version
+        self.rollouts.set_policy_version(version)
+
+    def rows_per_policy(self, table) -> dict:
+        """The step's rows by the policy they train: all to the run's policy, unless the
+        algorithm trains several (CDG's per-role models)."""
+        if len(self.policies) == 1:
+            return {self.ctx.main_policy: table}
+        return self.algorithm.split_by_policy(table)
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The reward source's own metrics of this step (a judge's verdict rates and order disagreements)."""
+        return ray.get(self.reward.take_metrics.remote()) if self.cfg.reward.source == "judge" else {}
+
+    def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
+        """Accuracy on a split through the rollout workers (current policy version): greedy
+        unless `rollout.eval_greedy` is off (or `greedy=False`), then pass@1 at the rollout
+        temperature. An algorithm with an `evaluate` hook measures it its own way."""
+        rows = self.task.rows(split)
+        prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
+        greedy = self.cfg.rollout.eval_greedy if greedy is None else greedy
+        params = self.ctx.sampling(n=1, temperature=0.0 if greedy else self.cfg.rollout.temperature, seed=12345)
+        if isinstance(self.algorithm, EvaluatesItself):  # its own protocol (RLEF: multi-turn episodes, 1@3)
+            return {**self.algorithm.evaluate(self.ctx, prompts, params), "n": float(len(prompts))}
+        gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
+        texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        correct = [self.task.is_correct(prompts[g.request_index].meta, t) for g, t in zip(gens, texts)]
+        return {"accuracy": float(np.mean(correct)), "n": float(len(correct))}
+
+    def save_checkpoint(self, metrics: dict | None = None) -> Path:
+        return checkpointing.save(self, metrics)
+
+    # ---- the whole run -------------------------------------------------------------------
+    def run(self, resume: bool = False) -> dict:
+        cfg = self.cfg
+        if resume and not candidates(self.run_dir / "checkpoints"):
+            raise CheckpointError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
+        if not resume and ((self.run_dir / "metrics.jsonl").exists() or (self.run_dir / "checkpoints").exists()):
+            raise CheckpointError(f"run dir {self.run_dir} already holds a run: resume it (rlsys resume {self.run_dir}) "
+                                  f"or pick another run.name")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self.attached = AttachedEvaluators(cfg.run.name)  # `rlsys eval attach` finds it through cluster.json
+        write_cluster_info(self.run_dir, cfg.run.name)
+        t0 = time.perf_counter()
+        self.start_actors(self.prepare_policy())
+        try:
+            tracker = Tracker(self.run_dir)
+            first, last_eval, restored = self._begin(resume, tracker)
+            self.attached.start(self.policy_dir, self.task, cfg.rollout.max_new_tokens, restored)
+            bar = progress_bar(cfg.trainer.steps, cfg.algorithm.name, self.progress, initial=self.step)
+            last_eval = loop.train(self, tracker, bar, last_eval)
+            bar.close()
+            self._finish(tracker)
+        finally:
+            self.weights.close()
+        return {
+            "run": cfg.run.name, "algorithm": cfg.algorithm.name, "steps": self.step,
+            "eval_accuracy_before_rl": first["accuracy"], "eval_accuracy_after_rl": last_eval["accuracy"],
+            "seconds": time.perf_counter() - t0, "run_dir": str(self.run_dir),
+        }
+
+    def _begin(self, resume: bool, tracker: Tracker) -> tuple[dict, dict, list[dict]]:
+        """(the first held-out evaluation, the last one, the evaluators to attach again): a fresh
+        run evaluates the initial policy; a resumed one restores its newest readable checkpoint."""
+        if not resume:
+            first = self.evaluate()
+            tracker.log_eval(self.step, "heldout", first, self.ctx.policy_version)
+            return first, first, []
+        path, state = checkpointing.restore(self)
+        tracker.truncate_after(self.step)
+        restored_metrics = state.get("metrics")
+        if restored_metrics and not any(r["step"] == self.step for r in read_jsonl(tracker.metrics_path)):
+            tracker.log(self.step, restored_metrics)  # killed between the checkpoint and its row
+        print(f"rlsys: resumed {self.cfg.run.name} from {path.name} (step {self.step})", file=sys.stderr)
+        evals = [r for r in read_jsonl(tracker.evals_path) if r["evaluator"] == "heldout"]  # not attached ones
+        first = evals[0] if evals else self.evaluate()
+        return first, evals[-1] if evals else first, state.get("evaluators", [])
+
+    def _finish(self, tracker: Tracker) -> None:
+        self.ctx.settle_sync()
+        for row in self.attached.drain():
+            tracker.log_eval(*row)
+        self.attached.close()
+        if self.ctx.sandbox is not None:
+            self.ctx.sandbox.close()
+        tracker.close()
+
+
+def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
+    """tqdm on stderr; in a log file (not a terminal) a line every 10 s at most."""
+    from tqdm import tqdm  # only where a bar is drawn
+
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, initial=initial,
+                mininterval=1.0 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)

@@ -1,0 +1,98 @@
+"""The training loop: sample -> prepare -> train -> sync -> evaluate -> checkpoint -> log, once per step.
+
+`run` is the Controller (rlsys/run/controller.py): it owns the actors and the objects each phase
+calls: `rollouts` (prompt stream, buffer, overlap prefetch), `learner_group` (the ranks of every
+trained policy), `weights` (the weight-sync strategy), `attached` (evaluators), `ctx` (the
+RolloutContext, its timings and the policy version).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rlsys.contract import ReportsPrepareMetrics, RestartsPolicy
+from rlsys.tracking import Tracker
+
+
+def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
+    """Steps until trainer.steps; returns the last held-out evaluation."""
+    cfg = run.cfg
+    while run.step < cfg.trainer.steps:
+        metrics = update(run)  # sample -> prepare -> train -> sync
+        last_step = run.step == cfg.trainer.steps
+        # evaluate: attached evaluators at every step boundary, the held-out split as due
+        handoff = time.perf_counter()
+        for row in run.attached.poll(run.step, run.ctx.policy_version, run.weights.weights_ref):
+            tracker.log_eval(*row)
+        metrics["time/eval_handoff"] = time.perf_counter() - handoff
+        if cfg.trainer.eval_every and run.step % cfg.trainer.eval_every == 0 or last_step:
+            last_eval = run.evaluate()
+            tracker.log_eval(run.step, "heldout", last_eval, run.ctx.policy_version)
+        # checkpoint: with no evaluation in flight
+        every = cfg.trainer.checkpoint_every
+        if every and (run.step % every == 0 or last_step):
+            for row in run.attached.drain():
+                tracker.log_eval(*row)
+            with run.ctx.timed("checkpoint"):
+                run.save_checkpoint(metrics)
+            metrics["time/checkpoint"] = run.ctx.timings["checkpoint"]
+        # log
+        tracker.log(run.step, metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}", refresh=False)
+        bar.update()
+    return last_eval
+
+
+def update(run) -> dict[str, float]:
+    """One policy update: sample -> prepare -> train -> sync. Returns the step's metrics."""
+    ctx, version = run.ctx, run.ctx.policy_version + 1
+    ctx.timings.clear()
+    start, tokens_before = time.perf_counter(), ctx.tokens_generated
+    # sample: this step's rows (under overlap, sampled while the previous step trained)
+    table = run.rollouts.take()
+    lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
+    # prepare: a batch per trained policy; None from the algorithm: no update for it this step
+    with ctx.timed("prepare"):
+        batches = {name: run.algorithm.prepare(rows) for name, rows in run.rows_per_policy(table).items()}
+        batches = {name: b for name, b in batches.items() if b is not None}
+        metrics = run.algorithm.prepare_metrics(table) if isinstance(run.algorithm, ReportsPrepareMetrics) else {}
+        metrics |= run.reward_metrics()
+    if batches:
+        # train: every rank, not awaited (a ReST round first goes back to the initial policy)
+        if isinstance(run.algorithm, RestartsPolicy) and run.algorithm.restarts_policy(table):
+            with ctx.timed("restart"):
+                run.learner_group.restart(run.policy_dir)
+        training = run.learner_group.train(batches, version, run.weights)
+        # sync: sent with the step where the strategy allows (the workers' loads wait on the
+        # learner, not on us); under overlap, after the next step's rows are sampled by these weights
+        sent_early = not run.rollouts.prefetch(run.step) and run.weights.sends_with_step
+        if sent_early:
+            run.sync_weights(version, training)
+        with ctx.timed("train"):
+            metrics |= run.learner_group.wait(training)
+        if not sent_early:
+            run.sync_weights(version, training)
+    run.step += 1
+    return metrics | step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
+
+
+def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) -> dict[str, float]:
+    """What every step logs of its rows, its phases and its speed."""
+    ctx = run.ctx
+    rewards = np.asarray(table.column("reward").to_pylist())
+    metrics = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "response_length": float(np.mean([len(x) for x in table.column("response_ids").to_pylist()])),
+        "policy_lag": float(lag.mean()) if len(lag) else 0.0,
+        "samples": float(table.num_rows), "policy_version": float(ctx.policy_version),
+    }
+    if run.cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
+        metrics["accuracy/train"] = float((rewards >= 1.0).mean())
+    if ctx.sandbox is not None:  # every step of a run with a sandbox pool reports it, 0 when nothing ran
+        ctx.timings.setdefault("sandbox", 0.0)
+    metrics |= {f"time/{phase}": s for phase, s in ctx.timings.items()}
+    metrics["time/step"] = seconds
+    metrics["perf/tokens_per_s"] = generated / max(ctx.timings.get("generate", 0.0), 1e-9)
+    metrics["perf/samples_per_s"] = table.num_rows / seconds
+    return metrics

@@ -1,0 +1,229 @@
+"""How new weights reach the rollout workers: one strategy object per `trainer.weight_sync` mode.
+
+- object store: learner rank 0's weights as numpy arrays in Ray's object store; each worker loads them.
+- shared memory: a weights file per policy on the node its learner and workers share; the learner
+  writes a slot as part of its step, the workers load that slot (policies whose workers run
+  elsewhere fall back to the object store under `auto`).
+- broadcast: a process group of learner rank 0 and every rollout receiver (gloo, or NCCL for vLLM).
+
+The first two are sent, not awaited: an actor runs its calls in order, so the learner hands out
+these weights before its next step and a worker loads them before its next generate; the
+controller waits (`settle`) only when it next uses the workers' results or checkpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import ray
+
+from actors.shared_weights import SLOTS
+from rlsys.config import JobConfig
+from rlsys.errors import RunFailed
+from rlsys.placement import acknowledged, open_shared_weights, open_weight_broadcast, readmit_blocked
+from rlsys.run.context import PolicyActors
+
+FromLearners = Callable[[list], list]  # ray.get of learner calls; a dead rank ends the run in one line
+
+
+class WeightSync(Protocol):
+    version: int  # the policy version the workers were last sent
+    sends_with_step: bool  # the sync may be sent before the step's training finished
+
+    def train_slot(self, policy: str, version: int) -> int | None: ...  # where a step writes its weights
+    def send(self, version: int, training: dict[str, list] | None = None) -> None: ...
+    def settle(self) -> None: ...  # wait for the last send; its errors surface here
+    def readmit(self, policy: str, worker) -> None: ...  # a restarted worker gets the current weights
+    def weights_ref(self, policy: str): ...  # the current weights as an object ref (None: the initial policy)
+    def close(self) -> None: ...
+
+
+@dataclass
+class InFlight:
+    """A sync sent but not awaited: the workers' acknowledgements and the other ranks' calls."""
+
+    version: int
+    acks: list = field(default_factory=list)
+    gathered: list = field(default_factory=list)
+
+    def wait(self, timeout: float, from_learners: FromLearners) -> None:
+        from_learners(self.gathered + acknowledged(self.acks, self.version, timeout))
+
+
+def send_through_object_store(p: PolicyActors, version: int, sent: InFlight) -> None:
+    refs = [l.weights.remote() for l in p.learners]  # ZeRO-3: every rank joins the gather
+    sent.acks += [w.load_weights.remote(version, refs[0]) for w in p.workers]
+    sent.gathered += refs[1:]
+    p.weights_ref = refs[0]
+
+
+def asked_weights_ref(p: PolicyActors, version: int, from_learners: FromLearners):
+    """The policy's weights as an object ref, asked of its learner once per version (syncs that
+    do not go through the object store)."""
+    if p.weights_ref is None and version > 0:
+        refs = [l.weights.remote() for l in p.learners]  # ZeRO-3: every rank joins the gather
+        from_learners(refs[1:])
+        p.weights_ref = refs[0]
+    return p.weights_ref
+
+
+class ObjectStoreSync:
+    """`trainer.weight_sync: object_store` (and `auto` where no policy can share memory)."""
+
+    sends_with_step = True
+
+    def __init__(self, policies: dict[str, PolicyActors], timeout: float, from_learners: FromLearners):
+        self.policies, self.timeout, self.from_learners = policies, timeout, from_learners
+        self.version, self.in_flight = 0, None
+
+    def train_slot(self, policy: str, version: int) -> None:
+        return None
+
+    def send(self, version: int, training: dict[str, list] | None = None) -> None:
+        self.settle()
+        self.in_flight = InFlight(version)
+        for p in self.policies.values():
+            send_through_object_store(p, version, self.in_flight)
+        self.version = version
+
+    def settle(self) -> None:
+        pending, self.in_flight = self.in_flight, None
+        if pending is not None:
+            pending.wait(self.timeout, self.from_learners)
+
+    def readmit(self, policy: str, worker) -> None:
+        ray.get(worker.load_weights.remote(self.version, self.policies[policy].weights_ref))
+
+    def weights_ref(self, policy: str):
+        return self.policies[policy].weights_ref
+
+    def close(self) -> None:
+        self.settle()
+
+
+class SharedMemorySync:
+    """`trainer.weight_sync: shared_memory | auto`: the slot a step writes (`train_slot`) is loaded
+    by the policy's workers; a policy without a weights file syncs through the object store."""
+
+    sends_with_step = True
+
+    def __init__(self, policies: dict[str, PolicyActors], timeout: float, from_learners: FromLearners):
+        self.policies, self.timeout, self.from_learners = policies, timeout, from_learners
+        self.version, self.in_flight = 0, None
+
+    def train_slot(self, policy: str, version: int) -> int | None:
+        """The slot a step writes `version` into; the sync sent before (the workers' loads of the
+        slot this one overwrites) is awaited first."""
+        if self.policies[policy].shared is None:
+            return None
+        self.settle()
+        return version % SLOTS
+
+    def send(self, version: int, training: dict[str, list] | None = None) -> None:
+        """`training`: per policy, this step's train calls (they may still run: a worker's load of
+        the slot they write waits on them); without them the learner writes the slot now."""
+        self.settle()
+        self.in_flight = sent = InFlight(version)
+        for name, p in self.policies.items():
+            if p.shared is None:
+                send_through_object_store(p, version, sent)
+                continue
+            written = (training or {}).get(name) or [l.write_shared.remote(version % SLOTS) for l in p.learners]
+            sent.acks += [w.load_shared.remote(version, p.shared, version % SLOTS, written[0]) for w in p.workers]
+            sent.gathered += written[1:]
+            p.weights_ref = None  # asked for when needed (`weights_ref`)
+        self.version = version
+
+    def settle(self) -> None:
+        pending, self.in_flight = self.in_flight, None
+        if pending is not None:
+            pending.wait(self.timeout, self.from_learners)
+
+    def readmit(self, policy: str, worker) -> None:
+        p = self.policies[policy]
+        if p.shared is None:
+            ray.get(worker.load_weights.remote(self.version, p.weights_ref))
+        else:
+            ray.get(worker.load_shared.remote(self.version, p.shared, self.version % SLOTS))
+
+    def weights_ref(self, policy: str):
+        p = self.policies[policy]
+        return p.weights_ref if p.shared is None else asked_weights_ref(p, self.version, self.from_learners)
+
+    def close(self) -> None:
+        """Remove the policies' weights files; a file a dead learner left is removed by the next
+        learner on its node (`remove_stale`)."""
+        try:  # a sync still in flight finishes first; a failed run's sync may have failed with it
+            self.settle()
+        except Exception:  # noqa: BLE001
+            pass
+        closing = [p.learners[0].close_shared.remote() for p in self.policies.values() if p.shared is not None]
+        try:
+            ray.get(closing, timeout=10)
+        except Exception:  # noqa: BLE001 - a dead learner cannot answer; its file is swept later
+            pass
+        for p in self.policies.values():
+            p.shared = None
+
+
+class BroadcastSync:
+    """`trainer.weight_sync: broadcast`: learner rank 0 -> every rollout receiver over one group,
+    awaited (the group is collective). One policy only (config rule)."""
+
+    sends_with_step = False
+
+    def __init__(self, cfg: JobConfig, policies: dict[str, PolicyActors], from_learners: FromLearners):
+        self.cfg, self.from_learners = cfg, from_learners
+        self.policy = next(iter(policies.values()))
+        self.version = 0
+        open_weight_broadcast(cfg, self.policy.learners, self.policy.workers)
+        self.manifest = from_learners([l.weight_manifest.remote() for l in self.policy.learners])[0]
+
+    def train_slot(self, policy: str, version: int) -> None:
+        return None
+
+    def send(self, version: int, training: dict[str, list] | None = None) -> None:
+        """A worker restarted since the last generate (its version check has not seen it yet) is
+        outside the group: the group is formed again first."""
+        p = self.policy
+        if readmit_blocked(self.cfg) is None and not all(ray.get([w.in_weight_broadcast.remote() for w in p.workers])):
+            open_weight_broadcast(self.cfg, p.learners, p.workers)
+        sends = [l.broadcast_weights.remote(version) for l in p.learners]  # all ranks: ZeRO-3 gathers
+        acks = [w.receive_weights.remote(version, self.manifest) for w in p.workers]
+        ray.get(acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
+        self.from_learners(sends)
+        self.version = version
+        p.weights_ref = None  # asked for when needed (`weights_ref`)
+
+    def settle(self) -> None:
+        pass  # `send` waits
+
+    def readmit(self, policy: str, worker) -> None:
+        """The restarted worker is back outside the group with the initial weights: the group is
+        formed again and the current weights broadcast. Exact because the learner is idle while
+        the workers generate (no overlap_rollout), so its weights are the version they serve."""
+        index = self.policy.workers.index(worker)
+        blocked = readmit_blocked(self.cfg)
+        if blocked:
+            raise RunFailed(f"rollout worker {index} restarted; the weight-broadcast group cannot re-admit it under "
+                            f"{blocked}: resume from the last checkpoint")
+        open_weight_broadcast(self.cfg, self.policy.learners, self.policy.workers)
+        self.send(self.version)
+
+    def weights_ref(self, policy: str):
+        return asked_weights_ref(self.policy, self.version, self.from_learners)
+
+    def close(self) -> None:
+        pass
+
+
+def make_weight_sync(cfg: JobConfig, policies: dict[str, PolicyActors], from_learners: FromLearners) -> WeightSync:
+    """The strategy `trainer.weight_sync` names; `auto` shares memory where a policy's learner and
+    workers share a node."""
+    mode, timeout = cfg.trainer.weight_sync, cfg.trainer.sync_timeout_s
+    if mode == "broadcast":
+        return BroadcastSync(cfg, policies, from_learners)
+    open_shared_weights(cfg, policies)  # sets PolicyActors.shared where it can (auto, shared_memory)
+    if any(p.shared is not None for p in policies.values()):
+        return SharedMemorySync(policies, timeout, from_learners)
+    return ObjectStoreSync(policies, timeout, from_learners)
