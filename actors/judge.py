@@ -15,6 +15,7 @@ As a reward source (`score(table)`, the RewardWorker's call): pointwise scores m
 unparsable pair is worth 1/2 to both sides), so a two-row group gets (1, 0), (0, 1) or
 (1/2, 1/2) and PILAF's `labels: max` turns the last into no preference.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,27 +41,33 @@ _SCORE_LINE = re.compile(r"^\s*score\s*:\s*([+-]?\d+)\s*\.?\s*$", re.IGNORECASE)
 # ---- prompts ---------------------------------------------------------------------------------
 def plan_prompt(instruction: str) -> str:
     """Pass 1: the evaluation plan, from the instruction alone."""
-    return ("Write a short step-by-step plan for judging answers to the instruction below. "
-            "Do not answer it.\n\n"
-            f"Instruction:\n{instruction}\n\nPlan:\n")
+    return (
+        "Write a short step-by-step plan for judging answers to the instruction below. "
+        "Do not answer it.\n\n"
+        f"Instruction:\n{instruction}\n\nPlan:\n"
+    )
 
 
 def pairwise_prompt(instruction: str, plan: str, response_a: str, response_b: str) -> str:
     """Pass 2 for a pair: the plan, then the execution the model writes, ending in the verdict line."""
-    return ("Judge which response follows the instruction better. Write the sections in this order: "
-            "Plan (given), Execution (apply each step of the plan to both responses), "
-            "Verdict (one final line: 'Verdict: A', 'Verdict: B' or 'Verdict: tie').\n\n"
-            f"Instruction:\n{instruction}\n\nResponse A:\n{response_a}\n\nResponse B:\n{response_b}\n\n"
-            f"Plan:\n{plan.strip()}\n\nExecution:\n")
+    return (
+        "Judge which response follows the instruction better. Write the sections in this order: "
+        "Plan (given), Execution (apply each step of the plan to both responses), "
+        "Verdict (one final line: 'Verdict: A', 'Verdict: B' or 'Verdict: tie').\n\n"
+        f"Instruction:\n{instruction}\n\nResponse A:\n{response_a}\n\nResponse B:\n{response_b}\n\n"
+        f"Plan:\n{plan.strip()}\n\nExecution:\n"
+    )
 
 
 def pointwise_prompt(instruction: str, plan: str, response: str, min_score: int, max_score: int) -> str:
     """Pass 2 for one response: the plan, then the execution, ending in `Score: N`."""
-    return ("Judge how well the response follows the instruction. Write the sections in this order: "
-            "Plan (given), Execution (apply each step of the plan to the response), "
-            f"Verdict (one final line: 'Score: N' with N an integer from {min_score} to {max_score}).\n\n"
-            f"Instruction:\n{instruction}\n\nResponse:\n{response}\n\n"
-            f"Plan:\n{plan.strip()}\n\nExecution:\n")
+    return (
+        "Judge how well the response follows the instruction. Write the sections in this order: "
+        "Plan (given), Execution (apply each step of the plan to the response), "
+        f"Verdict (one final line: 'Score: N' with N an integer from {min_score} to {max_score}).\n\n"
+        f"Instruction:\n{instruction}\n\nResponse:\n{response}\n\n"
+        f"Plan:\n{plan.strip()}\n\nExecution:\n"
+    )
 
 
 # ---- parsing ---------------------------------------------------------------------------------
@@ -72,7 +79,7 @@ def fit_to_context(ids: list[int], budget: int) -> list[int]:
     if len(ids) <= budget:
         return ids
     head = budget // 2
-    return ids[:head] + ids[len(ids) - (budget - head):]
+    return ids[:head] + ids[len(ids) - (budget - head) :]
 
 
 def final_line(text: str) -> str:
@@ -197,8 +204,15 @@ class JudgeWorker:
     """A judge model on a rollout backend. `tokenizer_dir`: the policy's tokenizer, used to
     decode experience rows in `score(table)` (the judge re-encodes text with its own)."""
 
-    def __init__(self, judge_dir: str, tokenizer_dir: str | None = None, backend: str = "hf", batch_size: int = 32,
-                 threads: int = 1, options: JudgeOptions | dict | None = None):
+    def __init__(
+        self,
+        judge_dir: str,
+        tokenizer_dir: str | None = None,
+        backend: str = "hf",
+        batch_size: int = 32,
+        threads: int = 1,
+        options: JudgeOptions | dict | None = None,
+    ):
         import torch
 
         from actors.rollout import make_backend  # torch: loaded by the judge worker, not the torch-free parsing here
@@ -207,7 +221,9 @@ class JudgeWorker:
         torch.set_num_threads(threads)
         self.options = options if isinstance(options, JudgeOptions) else JudgeOptions(**(options or {}))
         if self.options.min_score >= self.options.max_score:
-            raise ValueError(f"judge min_score {self.options.min_score} must be below max_score {self.options.max_score}")
+            raise ValueError(
+                f"judge min_score {self.options.min_score} must be below max_score {self.options.max_score}"
+            )
         self.backend = make_backend(backend, judge_dir, batch_size)
         self.tokenizer = load_tokenizer(judge_dir)
         self.policy_tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else self.tokenizer
@@ -223,8 +239,13 @@ class JudgeWorker:
             return []
         o = self.options
         self.calls += 1
-        params = SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=o.temperature,
-                                seed=o.seed + self.calls, stop_token_ids=(self.tokenizer.eos_token_id,))
+        params = SamplingParams(
+            n=1,
+            max_new_tokens=max_new_tokens,
+            temperature=o.temperature,
+            seed=o.seed + self.calls,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+        )
         prompts = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         if self.context_length:
             budget = self.context_length - max_new_tokens

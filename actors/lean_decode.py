@@ -15,6 +15,7 @@ rotary module, so weights loaded into the model (weight sync, re-quantisation) a
 loop uses; logits match the model's forward to float rounding (tests/test_lean_decode.py).
 The loop runs under `torch.inference_mode` (nothing it makes is ever differentiated).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,8 +62,10 @@ def supports_lean_decode(model) -> bool:
     head_norms = ("q_norm", "k_norm") if cfg.model_type == "qwen3" else ()
     qkv = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
     gate_up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
-    if not (all(hasattr(attn, p) for p in (*qkv, "o_proj", *head_norms)) and
-            all(hasattr(mlp, p) for p in (*gate_up, "down_proj"))):
+    if not (
+        all(hasattr(attn, p) for p in (*qkv, "o_proj", *head_norms))
+        and all(hasattr(mlp, p) for p in (*gate_up, "down_proj"))
+    ):
         return False
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     probe = model.model.embed_tokens.weight[:1]
@@ -83,7 +86,9 @@ def rms_scale(h: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(eps, norm, norm, value=1.0 / h.shape[-1]).rsqrt_()
 
 
-def residual_linear(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def residual_linear(
+    h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """h + x W^T (+ bias), the matmul and the residual add in one `addmm`."""
     out = torch.addmm(h, x, weight_t)
     return out if bias is None else out.add_(bias)
@@ -139,7 +144,7 @@ class LeanDecoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.head_norms = hasattr(model.model.layers[0].self_attn, "q_norm")  # Qwen3
         self.norm_offset = 1.0 if cfg.model_type == "gemma" else 0.0  # Gemma's norms: x_normed * (1 + w)
         self.act = ACTIVATIONS[activation_name(cfg)]
@@ -167,13 +172,15 @@ class LeanDecoder:
         into the query norm's weight instead, as a norm undoes a scale before it); o and down
         transposed for `addmm`, which adds the residual in the same call. No module is called
         per step."""
+
         def cat(pieces, scales, norm):
             """[(weight, bias)] pieces stacked by rows, each times its scale, times the norm's weight."""
             weight = torch.cat([w * s for (w, _), s in zip(pieces, scales)]) * norm_weight(norm, self.norm_offset)
             if all(b is None for _, b in pieces):
                 return weight, None
-            return weight, torch.cat([(b if b is not None else w.new_zeros(w.shape[0])) * s
-                                      for (w, b), s in zip(pieces, scales)])
+            return weight, torch.cat(
+                [(b if b is not None else w.new_zeros(w.shape[0])) * s for (w, b), s in zip(pieces, scales)]
+            )
 
         def rows(linear, sizes):
             """A fused projection (Phi-3's qkv_proj, gate_up_proj) as (weight, bias) row blocks."""
@@ -189,18 +196,31 @@ class LeanDecoder:
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for layer in self.model.model.layers:
             a, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            qkv = (rows(a.qkv_proj, [q_rows, kv_rows, kv_rows]) if hasattr(a, "qkv_proj")
-                   else [(m.weight, m.bias) for m in (a.q_proj, a.k_proj, a.v_proj)])
-            gate_up = (rows(mlp.gate_up_proj, [mlp.gate_up_proj.weight.shape[0] // 2] * 2) if hasattr(mlp, "gate_up_proj")
-                       else [(m.weight, m.bias) for m in (mlp.gate_proj, mlp.up_proj)])
-            fused.append({"qkv": cat(qkv, (q_scale, 1.0, 1.0), norm1),
-                          "gate_up": cat(gate_up, (1.0, 1.0), norm2),
-                          "o": (a.o_proj.weight.t(), a.o_proj.bias), "down": (mlp.down_proj.weight.t(), mlp.down_proj.bias),
-                          "eps1": norm_eps(norm1, norm1.weight), "eps2": norm_eps(norm2, norm2.weight)})
+            qkv = (
+                rows(a.qkv_proj, [q_rows, kv_rows, kv_rows])
+                if hasattr(a, "qkv_proj")
+                else [(m.weight, m.bias) for m in (a.q_proj, a.k_proj, a.v_proj)]
+            )
+            gate_up = (
+                rows(mlp.gate_up_proj, [mlp.gate_up_proj.weight.shape[0] // 2] * 2)
+                if hasattr(mlp, "gate_up_proj")
+                else [(m.weight, m.bias) for m in (mlp.gate_proj, mlp.up_proj)]
+            )
+            fused.append(
+                {
+                    "qkv": cat(qkv, (q_scale, 1.0, 1.0), norm1),
+                    "gate_up": cat(gate_up, (1.0, 1.0), norm2),
+                    "o": (a.o_proj.weight.t(), a.o_proj.bias),
+                    "down": (mlp.down_proj.weight.t(), mlp.down_proj.bias),
+                    "eps1": norm_eps(norm1, norm1.weight),
+                    "eps2": norm_eps(norm2, norm2.weight),
+                }
+            )
             if self.head_norms:  # [q heads + kv heads, head_dim]: each head's norm weight, q's times the scale
                 q_norm, k_norm = norm_weight(a.q_norm, self.norm_offset), norm_weight(a.k_norm, self.norm_offset)
-                fused[-1]["head_norm"] = torch.cat([(q_norm * self.scale).expand(self.num_heads, -1),
-                                                    k_norm.expand(self.num_kv_heads, -1)])
+                fused[-1]["head_norm"] = torch.cat(
+                    [(q_norm * self.scale).expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)]
+                )
                 fused[-1]["eps_head"] = norm_eps(a.q_norm, a.q_norm.weight)
         return fused
 
@@ -212,8 +232,16 @@ class LeanDecoder:
         half = self.head_dim // 2
         return torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)], dim=1)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                start: int, mask: torch.Tensor, fused: list[dict], rotary: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        start: int,
+        mask: torch.Tensor,
+        fused: list[dict],
+        rotary: torch.Tensor,
+    ) -> torch.Tensor:
         """Hidden state of each row's last token of `ids` ([B, T], at cache slots start..start+T)
         after the final norm: [B, hidden]. `mask`: for a prompt, `prefill_mask` ([B, 1, T, T],
         start 0); for one token a row, the additive mask over the slots [B * kv heads, 1, start+1].
@@ -243,8 +271,9 @@ class LeanDecoder:
                 out = torch.bmm(scores.softmax(-1), values).view(b, nh * d)
             else:
                 q = qk[:, :nh].view(b, t, nh, d).transpose(1, 2)
-                out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-                                                     scale=1.0, enable_gqa=nkv != nh)
+                out = F.scaled_dot_product_attention(
+                    q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, scale=1.0, enable_gqa=nkv != nh
+                )
                 out = out.transpose(1, 2).reshape(b * t, nh * d)
             h = residual_linear(h, out, *w["o"])
             gate, up = F.linear(h * rms_scale(h, w["eps2"]), *w["gate_up"]).chunk(2, dim=-1)
@@ -261,7 +290,7 @@ class LeanDecoder:
         distinct, row_of = torch.unique(torch.cat([input_ids, attention_mask.long()], 1), dim=0, return_inverse=True)
         repeated = len(distinct) < len(input_ids)
         if repeated:
-            input_ids, attention_mask = distinct[:, : input_ids.shape[1]], distinct[:, input_ids.shape[1]:]
+            input_ids, attention_mask = distinct[:, : input_ids.shape[1]], distinct[:, input_ids.shape[1] :]
         shape = (rows, self.num_kv_heads, total, self.head_dim)
         buffers = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.model.layers]
         cache = [(k[: len(input_ids)], v[: len(input_ids)]) for k, v in buffers]
@@ -269,19 +298,43 @@ class LeanDecoder:
         pads = torch.zeros(len(input_ids), total, dtype=torch.bool, device=weight.device)
         pads[:, : attention_mask.shape[1]] = ~attention_mask.bool()
         key_bias = weight.new_zeros(len(input_ids), total).masked_fill_(pads, float("-inf"))
-        stream = DecodeStream(self, buffers, cache, self.current_fused(), self.rotary_tables(total, weight),
-                              key_bias[:, None].expand(-1, self.num_kv_heads, -1).contiguous())
-        stream.hidden = self.forward(input_ids, positions_from_mask(attention_mask), cache, 0,
-                                     prefill_mask(attention_mask.bool()), stream.fused, stream.rotary)
+        stream = DecodeStream(
+            self,
+            buffers,
+            cache,
+            self.current_fused(),
+            self.rotary_tables(total, weight),
+            key_bias[:, None].expand(-1, self.num_kv_heads, -1).contiguous(),
+        )
+        stream.hidden = self.forward(
+            input_ids,
+            positions_from_mask(attention_mask),
+            cache,
+            0,
+            prefill_mask(attention_mask.bool()),
+            stream.fused,
+            stream.rotary,
+        )
         if repeated:
             stream.keep(row_of, filled=input_ids.shape[1])
         return stream
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
-                 stop_ids: set[int] = frozenset(), pad_id: int = 0, reference: "LeanDecoder | None" = None,
-                 interpolation=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        stop_ids: set[int] = frozenset(),
+        pad_id: int = 0,
+        reference: "LeanDecoder | None" = None,
+        interpolation=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(new tokens [B, N], logprobs [B, N]) for a left-padded prompt batch; a row is padded with
         `pad_id` (logprob 0) after its first stop token. Logprobs are log softmax(logits / T), the
         raw logits' (greedy: T = 1), before top-k/top-p, as the HF backend records them.
@@ -306,8 +359,11 @@ class LeanDecoder:
             logits = streams[0].logits()
             step_logprobs = torch.log_softmax(logits if scale == 1.0 else logits / scale, -1)
             if warped:
-                scores = logits if interpolation is None else interpolated_logits(
-                    logits, streams[1].logits(), interpolation.beta, interpolation.mode)
+                scores = (
+                    logits
+                    if interpolation is None
+                    else interpolated_logits(logits, streams[1].logits(), interpolation.beta, interpolation.mode)
+                )
                 token = sample_next(scores, temperature, top_k, top_p, greedy)
             else:
                 token = draw_from(step_logprobs.exp())
@@ -393,5 +449,6 @@ class DecodeStream:
         """Append one token per row at cache `slot` (every row's slot holds a real token)."""
         b, nkv, _ = self.key_bias.shape
         bias = self.key_bias[:, :, : slot + 1].reshape(b * nkv, 1, slot + 1)
-        self.hidden = self.decoder.forward(token[:, None], position[:, None], self.cache, slot, bias,
-                                           self.fused, self.rotary)
+        self.hidden = self.decoder.forward(
+            token[:, None], position[:, None], self.cache, slot, bias, self.fused, self.rotary
+        )

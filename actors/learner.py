@@ -5,6 +5,7 @@ knows nothing of any particular algorithm. Ranks rendezvous over torch.distribut
 (gloo on CPU) on 127.0.0.1; each rank trains on its shard of the batch and DeepSpeed
 averages gradients.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actors.modeling import (PolicyOnly, PolicyWithValueHead, per_response_tokens, quiet_transformers, state_dict_numpy,
-                             tied_state_dict)
+from actors.modeling import (
+    PolicyOnly,
+    PolicyWithValueHead,
+    per_response_tokens,
+    quiet_transformers,
+    state_dict_numpy,
+    tied_state_dict,
+)
 from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
 from actors.weight_broadcast import BroadcastGroup, weight_manifest
 from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient
@@ -52,8 +59,9 @@ def learner_device(prefer_cuda: bool = True) -> tuple[str, str]:
     return "cpu", "gloo"
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant",
-                  min_ratio: float = 0.0) -> float:
+def lr_multiplier(
+    step: int, total_steps: int, warmup_steps: int = 0, schedule: str = "constant", min_ratio: float = 0.0
+) -> float:
     """The learning-rate factor after `step` optimizer steps: linear warm-up from 1/warmup to 1
     over `warmup_steps`, then `constant` (1), `linear` (1 -> min_ratio) or `cosine`
     (min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * progress))) until `total_steps`."""
@@ -94,8 +102,11 @@ class Learner:
     ):
         """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step)."""
         os.environ.update(
-            RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(master_port),
         )
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -118,9 +129,19 @@ class Learner:
         # ZeRO-0 in fp32: the learner clips with torch's foreach clip and reports the norm (DeepSpeed
         # clips there tensor by tensor and reports none); under ZeRO or bf16 DeepSpeed clips its own state
         self.own_clip = (grad_clip or math.inf) if zero_stage == 0 and not bf16 else None
-        self._engine_args = dict(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip if self.own_clip is None else 0.0,
-                                 bf16=bf16, schedule=partial(
-            lr_multiplier, total_steps=total_steps, warmup_steps=warmup_steps, schedule=lr_schedule, min_ratio=min_lr_ratio))
+        self._engine_args = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            grad_clip=grad_clip if self.own_clip is None else 0.0,
+            bf16=bf16,
+            schedule=partial(
+                lr_multiplier,
+                total_steps=total_steps,
+                warmup_steps=warmup_steps,
+                schedule=lr_schedule,
+                min_ratio=min_lr_ratio,
+            ),
+        )
         self.engine, self.optimizer = self._build_engine(model_dir)
         self.weight_broadcast = None  # rank 0's BroadcastGroup under trainer.weight_sync=broadcast
         self.shared = None  # rank 0's SharedWeights under trainer.weight_sync=shared_memory
@@ -134,12 +155,16 @@ class Learner:
         a = self._engine_args
         policy = load_model(model_dir)
         module = PolicyWithValueHead(policy) if self.algorithm.needs_value_head else PolicyOnly(policy)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=a["lr"], weight_decay=a["weight_decay"],
-                                      fused=self.device.type == "cpu")  # one kernel over all tensors (3x faster on CPU)
+        optimizer = torch.optim.AdamW(
+            module.parameters(), lr=a["lr"], weight_decay=a["weight_decay"], fused=self.device.type == "cpu"
+        )  # one kernel over all tensors (3x faster on CPU)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, a["schedule"])  # stepped by the engine, checkpointed
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, lr_scheduler=scheduler,
-            config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"]))
+            model=module,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"]),
+        )
         if self.world_size == 1 and self.zero_stage == 0:
             engine.enable_backward_allreduce = False  # one rank: the allreduce only flattens and copies back
         return engine, optimizer
@@ -167,15 +192,19 @@ class Learner:
             for mb in batch.split(self.minibatches):
                 mb, scale, skipped = self._rows_with_gradient(mb.trim())
                 mb = mb.to(self.device)
-                logits, logprobs, values = self.engine(mb.input_ids, mb.attention_mask, self.temperature,
-                                                       mb.response_mask)  # rows sharing a prompt run it once
+                logits, logprobs, values = self.engine(
+                    mb.input_ids, mb.attention_mask, self.temperature, mb.response_mask
+                )  # rows sharing a prompt run it once
                 loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
                 loss = loss * scale if scale != 1.0 else loss
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
                 metrics["rows_without_gradient"] = skipped
                 self.engine.backward(loss)
-                own_norm = None if self.own_clip is None else \
-                    torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.own_clip)
+                own_norm = (
+                    None
+                    if self.own_clip is None
+                    else torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.own_clip)
+                )
                 self.engine.step()
                 metrics["loss"] = loss.item()
                 grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()  # by the step
@@ -221,8 +250,9 @@ class Learner:
     def _per_response(self, table: pa.Table, output: int) -> list[list[float]]:
         """One of the module's outputs (1: logprobs, 2: values) at each response token."""
         self.engine.eval()
-        forward = lambda ids, mask, span: self.module(ids.to(self.device), mask.to(self.device), self.temperature,
-                                                      span.to(self.device))[output]
+        forward = lambda ids, mask, span: self.module(
+            ids.to(self.device), mask.to(self.device), self.temperature, span.to(self.device)
+        )[output]
         return per_response_tokens(forward, table)
 
     @contextmanager
@@ -259,8 +289,10 @@ class Learner:
             layout = SharedLayout.of(shm_path(policy), tied_state_dict(policy_module))
             free = shm_free_bytes()
             if free < required_free * layout.file_bytes:
-                return (f"/dev/shm has {free / 2**20:.1f} MiB free, the weights need {layout.file_bytes / 2**20:.1f} MiB "
-                        f"(two copies) with {required_free - 1:.0%} to spare")
+                return (
+                    f"/dev/shm has {free / 2**20:.1f} MiB free, the weights need {layout.file_bytes / 2**20:.1f} MiB "
+                    f"(two copies) with {required_free - 1:.0%} to spare"
+                )
             self.close_shared()
             self.shared = SharedWeights(layout, create=True)
             return layout
@@ -292,8 +324,9 @@ class Learner:
             s.bind(("", 0))
             return host, s.getsockname()[1]
 
-    def open_weight_broadcast(self, master_addr: str, master_port: int, world_size: int, backend: str,
-                              timeout_s: float) -> int:
+    def open_weight_broadcast(
+        self, master_addr: str, master_port: int, world_size: int, backend: str, timeout_s: float
+    ) -> int:
         """Rank 0 joins the weight-broadcast group as its sender (rank 0 of that group):
         NCCL from this rank's GPU, or gloo through host memory."""
         if self.rank == 0:
@@ -301,8 +334,9 @@ class Learner:
                 raise RuntimeError("the NCCL weight broadcast needs the learner on CUDA; no GPU is visible to rank 0")
             device = self.device if backend == "nccl" else torch.device("cpu")
             self.weight_broadcast = None  # a group formed again (a restarted worker rejoins) replaces the old one
-            self.weight_broadcast = BroadcastGroup(master_addr, master_port, 0, world_size, backend, timeout_s,
-                                                   device=device, local_addr=master_addr)
+            self.weight_broadcast = BroadcastGroup(
+                master_addr, master_port, 0, world_size, backend, timeout_s, device=device, local_addr=master_addr
+            )
         return self.rank
 
     def weight_manifest(self):

@@ -1,5 +1,6 @@
 """The actors' model wrappers (policy with or without a value head) and weight movement (numpy
 state dicts, tied weights, in-place loads); the shared logprob forward lives in rlsys/logprobs.py."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ class PolicyWithValueHead(nn.Module):
     def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
         """With `response_mask`, prompts shared by several rows run once (values, like logits,
         then hold only from each row's last prompt position on)."""
-        logits, logprobs, hidden = response_logprobs(self.policy, input_ids, attention_mask, response_mask,
-                                                     temperature, hidden=True)
+        logits, logprobs, hidden = response_logprobs(
+            self.policy, input_ids, attention_mask, response_mask, temperature, hidden=True
+        )
         values = self.value_head(hidden[:, :-1].float()).squeeze(-1)
         return logits, logprobs, values
 
@@ -84,6 +86,7 @@ def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarr
     they change; a Ray actor method's return value is serialized before its next call).
     Tied names (an lm_head that is the embedding) get the same array object, which pickle, and
     so Ray, sends once."""
+
     def to_numpy(v: torch.Tensor) -> np.ndarray:
         v = v.detach().cpu()
         out = (v.float() if v.dtype == torch.bfloat16 else v).numpy()
@@ -136,7 +139,9 @@ def adopt_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None
         if id(param) in seen:  # a tied parameter is set once, under its first name
             continue
         seen.add(id(param))
-        param.data = src if (src.dtype, src.device) == (param.dtype, param.device) else src.to(param.device, param.dtype)
+        param.data = (
+            src if (src.dtype, src.device) == (param.dtype, param.device) else src.to(param.device, param.dtype)
+        )
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +150,8 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, left: bool = False) -> tup
     mask = torch.zeros((len(seqs), L), dtype=torch.long)
     for i, s in enumerate(seqs):
         if left:
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
+            ids[i, L - len(s) :] = torch.tensor(s)
+            mask[i, L - len(s) :] = 1
         else:
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1

@@ -2,6 +2,7 @@
 An algorithm whose KL anchor moves (BRiTE's P(.|x, theta_t)) loads the current policy into
 it (`load_weights(weights)`); checkpoints then keep that anchor (`save`, and on resume
 `load_weights(None, dir)`)."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -38,8 +39,11 @@ class ReferenceWorker:
     def top_logprobs(self, table: pa.Table, k: int = 0) -> list[tuple[list[list[int]], list[list[float]]]]:
         """The k most likely next tokens (all of them when k is 0) and their log pi at each
         response position: a distillation teacher's distribution, one (ids, logprobs) per row."""
+
         def forward(ids, mask, span):
-            logp = torch.log_softmax(response_logprobs(self.model, ids, mask, span, self.temperature)[0].float(), dim=-1)
+            logp = torch.log_softmax(
+                response_logprobs(self.model, ids, mask, span, self.temperature)[0].float(), dim=-1
+            )
             top = logp.topk(k or logp.shape[-1], dim=-1)
             return torch.cat([top.indices.float(), top.values], dim=-1)  # ids < 2**24 are exact in float32
 

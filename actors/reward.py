@@ -8,6 +8,7 @@ response (the logit of its single label). A reward model dir with its own tokeni
 rm train` saves one) scores the decoded text re-encoded with it; without one, the policy's
 token ids are scored as they are.
 """
+
 from __future__ import annotations
 
 import json
@@ -128,8 +129,9 @@ def sequence_scores(model, seqs: list[list[int]], prompt_lens: list[int] | None 
         plen = torch.minimum(torch.tensor(prompt_lens), mask.sum(1) - 1)  # the last token runs on the cache
         passes = shared_prompt_passes(getattr(model, model.base_model_prefix), ids, mask, plen)
         if passes is not None:
-            last = passes.at(passes.prefix.last_hidden_state, passes.rest.last_hidden_state,
-                             pooled_positions(ids, mask, pad))
+            last = passes.at(
+                passes.prefix.last_hidden_state, passes.rest.last_hidden_state, pooled_positions(ids, mask, pad)
+            )
             return model.score(last)[:, 0].float()
     return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
 

@@ -10,6 +10,7 @@ returns a mean-pooled hidden state of each response. A backend that serves eithe
 the reference model (the initial policy, whose weights the rollout worker starts from),
 lazily, on the first request that needs it.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -36,8 +37,10 @@ def expand_requests(requests: Sequence[GenerationRequest]) -> list[tuple[int, li
     """One entry per sampled sequence: (request index, prompt ids, params), n per request."""
     empty = [i for i, r in enumerate(requests) if len(r.prompt_ids) == 0]
     if empty:
-        raise ValueError(f"generation request {empty[0]} has an empty prompt (no token to condition on; "
-                         f"{len(empty)} of {len(requests)} requests are empty)")
+        raise ValueError(
+            f"generation request {empty[0]} has an empty prompt (no token to condition on; "
+            f"{len(empty)} of {len(requests)} requests are empty)"
+        )
     return [(i, list(r.prompt_ids), r.params) for i, r in enumerate(requests) for _ in range(r.params.n)]
 
 
@@ -90,8 +93,13 @@ class ReferenceMixing:
             ones = torch.ones_like(new, dtype=self.attention_mask.dtype)
             self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
             positions = self.last_position[:, None] + 1 + torch.arange(new.shape[1], device=new.device)
-        out = self.reference(input_ids=new, attention_mask=self.attention_mask, position_ids=positions,
-                             use_cache=True, **{self.cache_arg: self.cache})
+        out = self.reference(
+            input_ids=new,
+            attention_mask=self.attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_arg: self.cache},
+        )
         self.seen, self.last_position = input_ids.shape[1], positions[:, -1]
         h_ref = out.logits[:, -1].to(scores.dtype)
         return interpolated_logits(scores, h_ref, self.interpolation.beta, self.interpolation.mode)
@@ -102,9 +110,18 @@ class HFBackend:
     `reference_dir` (default: `model_dir`, the initial policy) or an in-memory `reference`
     serves interpolated sampling and reference embeddings; it is loaded on first use."""
 
-    def __init__(self, model_dir: str, batch_size: int = 64, model=None, reference_dir: str | None = None,
-                 reference=None, quantized: str | None = None, specache: dict | None = None, device: str = "cpu",
-                 decode: str = "lean"):
+    def __init__(
+        self,
+        model_dir: str,
+        batch_size: int = 64,
+        model=None,
+        reference_dir: str | None = None,
+        reference=None,
+        quantized: str | None = None,
+        specache: dict | None = None,
+        device: str = "cpu",
+        decode: str = "lean",
+    ):
         quiet_transformers()
         self.requantize = None  # (group size, bit maps) when serving a SliM-LLM quantised policy
         if quantized:
@@ -176,7 +193,9 @@ class HFBackend:
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float], str]]:
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[tuple[list[int], list[float], str]]:
         input_ids, attention_mask = pad_sequences(prompts, self.pad_id, left=True)
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         stop_ids = self.eos_ids | set(params.stop_token_ids)
@@ -185,11 +204,24 @@ class HFBackend:
         lean_reference = None if params.interpolation is None else self.lean_reference
         if self.lean is not None and (params.interpolation is None or lean_reference is not None):
             tokens, logprobs = self.lean.generate(
-                input_ids, attention_mask, params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, greedy=params.greedy, stop_ids=stop_ids, pad_id=self.pad_id,
-                reference=lean_reference, interpolation=params.interpolation)
+                input_ids,
+                attention_mask,
+                params.max_new_tokens,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                greedy=params.greedy,
+                stop_ids=stop_ids,
+                pad_id=self.pad_id,
+                reference=lean_reference,
+                interpolation=params.interpolation,
+            )
             return rows_until_stop(tokens, logprobs, stop_ids)
-        mixing = [] if params.interpolation is None else [ReferenceMixing(self.reference, params.interpolation, attention_mask)]
+        mixing = (
+            []
+            if params.interpolation is None
+            else [ReferenceMixing(self.reference, params.interpolation, attention_mask)]
+        )
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -218,10 +250,18 @@ class HFBackend:
         from rlsys.kvcache.generate import specache_generate  # registers an attention function with transformers
 
         sequences, logprobs, _ = specache_generate(
-            self.model, input_ids, attention_mask, params.max_new_tokens, **self.specache,
-            temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p, top_k=params.top_k,
-            eos_token_id=sorted(stop_ids), pad_token_id=self.pad_id)
-        return rows_until_stop(sequences[:, input_ids.shape[1]:], logprobs, stop_ids)
+            self.model,
+            input_ids,
+            attention_mask,
+            params.max_new_tokens,
+            **self.specache,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=self.pad_id,
+        )
+        return rows_until_stop(sequences[:, input_ids.shape[1] :], logprobs, stop_ids)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         seqs = expand_requests(requests)
@@ -247,12 +287,25 @@ class HFBackend:
         return results
 
 
-def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str | None = None,
-                 quantized: str | None = None, specache: dict | None = None, decode: str = "lean",
-                 **options) -> RolloutBackend:
+def make_backend(
+    name: str,
+    model_dir: str,
+    batch_size: int,
+    reference_dir: str | None = None,
+    quantized: str | None = None,
+    specache: dict | None = None,
+    decode: str = "lean",
+    **options,
+) -> RolloutBackend:
     if name == "hf":
-        return HFBackend(model_dir, batch_size=batch_size, reference_dir=reference_dir, quantized=quantized,
-                         specache=specache, decode=decode)
+        return HFBackend(
+            model_dir,
+            batch_size=batch_size,
+            reference_dir=reference_dir,
+            quantized=quantized,
+            specache=specache,
+            decode=decode,
+        )
     if specache:
         raise ValueError(f"rollout.kv_cache=specache is served by the hf backend only, not {name}")
     if quantized:
@@ -269,16 +322,34 @@ def make_backend(name: str, model_dir: str, batch_size: int, reference_dir: str 
 class RolloutWorker:
     """One rollout role: a backend plus the policy version it currently holds."""
 
-    def __init__(self, model_dir: str, backend: str = "hf", batch_size: int = 64, threads: int = 1, index: int = 0,
-                 reference_dir: str | None = None, quantized: str | None = None, specache: dict | None = None,
-                 backend_options: dict | None = None, decode: str = "lean"):
+    def __init__(
+        self,
+        model_dir: str,
+        backend: str = "hf",
+        batch_size: int = 64,
+        threads: int = 1,
+        index: int = 0,
+        reference_dir: str | None = None,
+        quantized: str | None = None,
+        specache: dict | None = None,
+        backend_options: dict | None = None,
+        decode: str = "lean",
+    ):
         """`backend_options`: the vllm backend's engine settings (tensor_parallel_size, ...);
         `decode`: the hf backend's decode loop (rollout.decode)."""
         torch.set_num_threads(threads)
         self.index = index
         # the reference defaults to model_dir: the initial policy, as the ReferenceWorker loads it
-        self.backend = make_backend(backend, model_dir, batch_size, reference_dir=reference_dir, quantized=quantized,
-                                    specache=specache, decode=decode, **(backend_options or {}))
+        self.backend = make_backend(
+            backend,
+            model_dir,
+            batch_size,
+            reference_dir=reference_dir,
+            quantized=quantized,
+            specache=specache,
+            decode=decode,
+            **(backend_options or {}),
+        )
         self.weight_broadcast = None  # this worker's BroadcastGroup member (trainer.weight_sync=broadcast)
         self.shared = None  # the learner's SharedWeights file, mapped (trainer.weight_sync=shared_memory)
         self.version = 0
@@ -324,8 +395,9 @@ class RolloutWorker:
         """Whether this worker is a member of the broadcast group (a restarted one is not)."""
         return self.weight_broadcast is not None or hasattr(self.backend, "open_weight_broadcast")
 
-    def open_weight_broadcast(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
-                              backend: str, timeout_s: float) -> int:
+    def open_weight_broadcast(
+        self, master_addr: str, master_port: int, first_rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> int:
         if hasattr(self.backend, "open_weight_broadcast"):  # the vLLM engine's workers join themselves
             self.backend.open_weight_broadcast(master_addr, master_port, first_rank, world_size, timeout_s)
             return first_rank
@@ -334,8 +406,16 @@ class RolloutWorker:
         device = getattr(self.backend, "device", torch.device("cpu"))
         local = ray.util.get_node_ip_address() if ray.is_initialized() else None
         self.weight_broadcast = None  # a group formed again (a restarted worker rejoins) replaces the old one
-        self.weight_broadcast = BroadcastGroup(master_addr, master_port, first_rank, world_size, backend, timeout_s,
-                                               device=device if backend == "nccl" else "cpu", local_addr=local)
+        self.weight_broadcast = BroadcastGroup(
+            master_addr,
+            master_port,
+            first_rank,
+            world_size,
+            backend,
+            timeout_s,
+            device=device if backend == "nccl" else "cpu",
+            local_addr=local,
+        )
         return first_rank
 
     def receive_weights(self, version: int, manifest) -> int:
@@ -358,5 +438,10 @@ class RolloutWorker:
         return os.getpid()
 
     def stats(self) -> dict:
-        return {"index": self.index, "version": self.version, "tokens": self.tokens_generated, "seconds": self.generate_seconds,
-                "lean_decode": getattr(self.backend, "lean", None) is not None}
+        return {
+            "index": self.index,
+            "version": self.version,
+            "tokens": self.tokens_generated,
+            "seconds": self.generate_seconds,
+            "lean_decode": getattr(self.backend, "lean", None) is not None,
+        }

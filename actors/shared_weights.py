@@ -16,6 +16,7 @@ first). A file outlives a killed learner: the next learner on the node removes f
 whose owner process is gone (`remove_stale`), and the controller removes its own at
 shutdown.
 """
+
 from __future__ import annotations
 
 import os
@@ -119,8 +120,10 @@ class SharedWeights:
             with open(layout.path, "wb") as f:
                 f.truncate(layout.file_bytes)
         elif os.path.getsize(layout.path) != layout.file_bytes:
-            raise ValueError(f"shared weights file {layout.path} is {os.path.getsize(layout.path)} bytes, "
-                             f"the layout needs {layout.file_bytes}")
+            raise ValueError(
+                f"shared weights file {layout.path} is {os.path.getsize(layout.path)} bytes, "
+                f"the layout needs {layout.file_bytes}"
+            )
         self.buffer = np.memmap(layout.path, dtype=np.uint8, mode="r+", shape=(layout.file_bytes,))
         self._views: dict[int, dict[str, np.ndarray]] = {}
 

@@ -26,6 +26,7 @@ Not served (one line each, `unsupported_reason`): PILAF interpolated sampling, r
 embeddings, the SpeCache KV cache and SliM-LLM quantised policies (make_backend refuses the
 last two before getting here).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,11 +46,15 @@ DEFAULT_WEIGHT_BUCKET_BYTES = 512 << 20
 def unsupported_reason(request: GenerationRequest) -> str | None:
     """Why the vLLM backend cannot serve `request` (one line), or None."""
     if request.params.interpolation is not None:
-        return ("rollout.backend=vllm does not serve interpolated sampling (PILAF); "
-                "use rollout.backend=hf for algorithm pilaf")
+        return (
+            "rollout.backend=vllm does not serve interpolated sampling (PILAF); "
+            "use rollout.backend=hf for algorithm pilaf"
+        )
     if request.embedding is not None:
-        return ("rollout.backend=vllm does not return response embeddings "
-                f"(embedding={request.embedding!r}); use rollout.backend=hf")
+        return (
+            "rollout.backend=vllm does not return response embeddings "
+            f"(embedding={request.embedding!r}); use rollout.backend=hf"
+        )
     if request.params.temperature > MAX_VLLM_TEMPERATURE:
         return f"rollout.backend=vllm: temperature {request.params.temperature} > {MAX_VLLM_TEMPERATURE} (vLLM's limit)"
     return None
@@ -132,8 +137,15 @@ def generations_from_outputs(requests: Sequence[GenerationRequest], outputs: Seq
         for c in completions:
             if len(c["logprobs"]) != len(c["token_ids"]):
                 raise RuntimeError(f"request {i}: {len(c['token_ids'])} tokens but {len(c['logprobs'])} logprobs")
-            gens.append(Generation(i, list(request.prompt_ids), list(c["token_ids"]), list(c["logprobs"]),
-                                   finish_reason(c["finish_reason"])))
+            gens.append(
+                Generation(
+                    i,
+                    list(request.prompt_ids),
+                    list(c["token_ids"]),
+                    list(c["logprobs"]),
+                    finish_reason(c["finish_reason"]),
+                )
+            )
     return gens
 
 
@@ -216,14 +228,22 @@ def rollout_placement(num_workers: int, tensor_parallel_size: int, cpus_per_work
     as possible. Returns (bundles, strategy); worker i runs in bundle i with
     num_gpus=tensor_parallel_size and vLLM's multiprocessing executor uses those GPUs."""
     if num_workers < 1 or tensor_parallel_size < 1:
-        raise ValueError(f"rollout placement needs >= 1 worker and >= 1 GPU each, got {num_workers} x {tensor_parallel_size}")
+        raise ValueError(
+            f"rollout placement needs >= 1 worker and >= 1 GPU each, got {num_workers} x {tensor_parallel_size}"
+        )
     bundle = {"GPU": float(tensor_parallel_size), "CPU": float(cpus_per_worker)}
     return [dict(bundle) for _ in range(num_workers)], "PACK"
 
 
-def engine_kwargs(model_dir: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
-                  seed: int = 0, dtype: str = "auto", max_model_len: int | None = None,
-                  enforce_eager: bool = False) -> dict[str, Any]:
+def engine_kwargs(
+    model_dir: str,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    seed: int = 0,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    enforce_eager: bool = False,
+) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for a rollout engine."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} must be in (0, 1]")
@@ -249,9 +269,18 @@ class VLLMBackend:
     """The rollout backend on a vLLM engine (GPU). Same interface as HFBackend:
     `generate(requests) -> list[Generation]` and `load_weights(weights)`."""
 
-    def __init__(self, model_dir: str, batch_size: int = 64, reference_dir: str | None = None,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 dtype: str = "auto", max_model_len: int | None = None, enforce_eager: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        batch_size: int = 64,
+        reference_dir: str | None = None,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+    ):
         try:
             import vllm
         except ImportError as e:
@@ -260,8 +289,11 @@ class VLLMBackend:
         self.model_dir = model_dir
         self.eos_ids = eos_token_ids(model_dir)
         self.tied = tied_embeddings(model_dir)
-        self.llm = vllm.LLM(**engine_kwargs(model_dir, tensor_parallel_size, gpu_memory_utilization, seed, dtype,
-                                            max_model_len, enforce_eager))
+        self.llm = vllm.LLM(
+            **engine_kwargs(
+                model_dir, tensor_parallel_size, gpu_memory_utilization, seed, dtype, max_model_len, enforce_eager
+            )
+        )
         self.weight_sync_ranks = tensor_parallel_size  # members this engine adds to a broadcast group
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
@@ -279,11 +311,15 @@ class VLLMBackend:
 
     # weight broadcast (trainer.weight_sync=broadcast): each tensor-parallel worker of the
     # engine is one member of the group, ranks first_rank .. first_rank + tp - 1
-    def open_weight_broadcast(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
-                              timeout_s: float) -> None:
-        self.llm.collective_rpc("rlsys_open_broadcast", args=(master_addr, master_port, first_rank, world_size,
-                                                             timeout_s))
+    def open_weight_broadcast(
+        self, master_addr: str, master_port: int, first_rank: int, world_size: int, timeout_s: float
+    ) -> None:
+        self.llm.collective_rpc(
+            "rlsys_open_broadcast", args=(master_addr, master_port, first_rank, world_size, timeout_s)
+        )
 
     def receive_weight_broadcast(self, version: int, manifest) -> None:
-        self.llm.collective_rpc("rlsys_receive_broadcast", args=(version, [(s.name, list(s.shape), s.dtype) for s in manifest]))
+        self.llm.collective_rpc(
+            "rlsys_receive_broadcast", args=(version, [(s.name, list(s.shape), s.dtype) for s in manifest])
+        )
         self.llm.reset_prefix_cache()

@@ -6,6 +6,7 @@ args=...)` calls a method here on every worker. This is vLLM's public route for 
 weight updates (its RLHF examples, verl, OpenRLHF and TRL use it) and does not depend on
 the engine's internal attribute paths. The module imports without vllm.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -53,12 +54,14 @@ class RlsysWorkerExtension:
         model.load_weights(weights=weights)
         return len(weights)
 
-    def rlsys_open_broadcast(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
-                             timeout_s: float) -> int:
+    def rlsys_open_broadcast(
+        self, master_addr: str, master_port: int, first_rank: int, world_size: int, timeout_s: float
+    ) -> int:
         """Join the weight-broadcast group as rank first_rank + this worker's rank in the engine."""
         rank = first_rank + int(self.rank)
-        self.rlsys_broadcast = BroadcastGroup(master_addr, master_port, rank, world_size, "nccl", timeout_s,
-                                              device=self.device)
+        self.rlsys_broadcast = BroadcastGroup(
+            master_addr, master_port, rank, world_size, "nccl", timeout_s, device=self.device
+        )
         return rank
 
     def rlsys_receive_broadcast(self, version: int, manifest: Sequence[tuple[str, list[int], str]]) -> int:

@@ -11,6 +11,7 @@ receiver checks the version it was told against the header, so a receiver that i
 sync behind fails loudly instead of serving mixed weights. The controller bounds the
 whole exchange by `trainer.sync_timeout_s` (WeightSyncTimeout), as for the object store.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,17 @@ def bucket_plan(manifest: Sequence[TensorSpec], max_bytes: int = DEFAULT_BUCKET_
 class BroadcastGroup:
     """One member of the weight-broadcast process group (rank 0 sends, the others receive)."""
 
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
-                 timeout_s: float, device: torch.device | str = "cpu", local_addr: str | None = None):
+    def __init__(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        device: torch.device | str = "cpu",
+        local_addr: str | None = None,
+    ):
         """`local_addr`: this member's own address for gloo's transport (its Ray node IP);
         by default the master's when that is loopback, else gloo's default interface."""
         import torch.distributed as dist
@@ -78,15 +88,17 @@ class BroadcastGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
         store = dist.PrefixStore("rlsys-weight-broadcast", store)
         if backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
             host = local_addr or (master_addr if master_addr in ("127.0.0.1", "localhost") else None)
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
-                                else dist.ProcessGroupGloo.create_default_device()]
+            options._devices = [
+                dist.ProcessGroupGloo.create_device(hostname=host)
+                if host
+                else dist.ProcessGroupGloo.create_default_device()
+            ]
             self.group = dist.ProcessGroupGloo(store, rank, world_size, options)
         else:
             torch.cuda.set_device(self.device)
@@ -111,16 +123,19 @@ class BroadcastGroup:
                 sent += flat.numel() * flat.element_size()
         return sent
 
-    def receive(self, version: int, manifest: Sequence[TensorSpec],
-                max_bytes: int = DEFAULT_BUCKET_BYTES) -> list[tuple[str, torch.Tensor]]:
+    def receive(
+        self, version: int, manifest: Sequence[TensorSpec], max_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> list[tuple[str, torch.Tensor]]:
         """Ranks > 0: the tensors of one sync as (name, tensor) on this member's device, in
         manifest order. Raises if the sender's version or tensor count is not the expected one
         (a wrong version is still received in full, so the other members are not held up)."""
         header = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._broadcast(header)
         got_version, count = (int(x) for x in header.tolist())
-        mismatch = (f"weight broadcast: expected version {version} with {len(manifest)} tensors, "
-                    f"the learner sent version {got_version} with {count}")
+        mismatch = (
+            f"weight broadcast: expected version {version} with {len(manifest)} tensors, "
+            f"the learner sent version {got_version} with {count}"
+        )
         if count != len(manifest):  # another manifest: the group cannot stay in step
             raise RuntimeError(mismatch)
         out: list[tuple[str, torch.Tensor]] = []

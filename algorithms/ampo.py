@@ -17,6 +17,7 @@
    positive and one negative it is -log sigmoid(s+ - s-). A prompt whose N rewards are all
    equal has no preference and weighs 0.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -26,10 +27,10 @@ import pyarrow as pa
 import torch
 from pydantic import Field, model_validator
 
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, Stateful
 from algorithms.base import register, set_rewards
 from algorithms.pilaf import GroupedBatch
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, Stateful
 from rlsys.experience import make_experience, new_uid
 from rlsys.generation import GenerationRequest
 
@@ -41,13 +42,17 @@ class AMPOConfig(AlgorithmConfig):
     group-contrastive loss."""
 
     num_samples: int = Field(8, ge=2, description="N responses sampled per prompt")
-    subset_size: int = Field(4, ge=2, description="K responses trained on per prompt: 1 positive, K-1 negatives "
-                             "(below num_samples)")
+    subset_size: int = Field(
+        4, ge=2, description="K responses trained on per prompt: 1 positive, K-1 negatives (below num_samples)"
+    )
     selection: Literal["bottomk", "coreset", "optselect"] = Field(
-        "coreset", description="how the K-1 negatives are chosen: bottomk: the lowest rewards; coreset: the lowest "
-        "reward of each k-means cluster of the embeddings; optselect: weighted k-medoids by local search")
+        "coreset",
+        description="how the K-1 negatives are chosen: bottomk: the lowest rewards; coreset: the lowest "
+        "reward of each k-means cluster of the embeddings; optselect: weighted k-medoids by local search",
+    )
     embedding_model: Literal["policy", "reference"] = Field(
-        "policy", description="whose last hidden states, averaged over the response, embed a response")
+        "policy", description="whose last hidden states, averaged over the response, embed a response"
+    )
     beta: float = Field(2.0, gt=0, description="scale of the mean token logprob in s_i")
     alpha: float = Field(1.0, ge=0, description="scale of the centred reward in s_i")
     seed: int = Field(0, description="seed of the k-means initialisation")
@@ -106,8 +111,12 @@ def select_optselect(embeddings: np.ndarray, rewards: np.ndarray, k: int) -> tup
     chosen = select_bottomk(rewards, k)
     costs = [optselect_cost(distances, weights, chosen)]
     while True:
-        swaps = [(optselect_cost(distances, weights, chosen[:p] + [c] + chosen[p + 1 :]), p, c)
-                 for p in range(k) for c in range(len(rewards)) if c not in chosen]
+        swaps = [
+            (optselect_cost(distances, weights, chosen[:p] + [c] + chosen[p + 1 :]), p, c)
+            for p in range(k)
+            for c in range(len(rewards))
+            if c not in chosen
+        ]
         best = min(swaps, default=None)
         if best is None or best[0] >= costs[-1] - 1e-12:
             return chosen, costs
@@ -140,11 +149,23 @@ class AMPO(Algorithm, Stateful, ReportsPrepareMetrics):
 
     def rollout(self, ctx, prompts) -> pa.Table:
         params = ctx.sampling(n=self.config.num_samples, seed=ctx.next_seed())
-        requests = [GenerationRequest(list(p.prompt_ids), params, embedding=self.config.embedding_model) for p in prompts]
-        rows = [dict(uid=new_uid(), group=prompts[g.request_index].uid, prompt_ids=g.prompt_ids,
-                     response_ids=g.response_ids, logprobs=g.logprobs, reward=0.0, policy_version=g.policy_version,
-                     embedding=g.embedding, meta={**prompts[g.request_index].meta, "finish_reason": g.finish_reason})
-                for g in ctx.generate(requests)]
+        requests = [
+            GenerationRequest(list(p.prompt_ids), params, embedding=self.config.embedding_model) for p in prompts
+        ]
+        rows = [
+            dict(
+                uid=new_uid(),
+                group=prompts[g.request_index].uid,
+                prompt_ids=g.prompt_ids,
+                response_ids=g.response_ids,
+                logprobs=g.logprobs,
+                reward=0.0,
+                policy_version=g.policy_version,
+                embedding=g.embedding,
+                meta={**prompts[g.request_index].meta, "finish_reason": g.finish_reason},
+            )
+            for g in ctx.generate(requests)
+        ]
         table = make_experience(rows, extra_schema=EMBEDDING)
         return set_rewards(table, ctx.score(table))
 
@@ -196,5 +217,8 @@ class AMPO(Algorithm, Stateful, ReportsPrepareMetrics):
         loss = group_contrastive_loss(scores, positive, weights)
         with torch.no_grad():
             margin = scores[:, 0] - scores[:, 1:].max(1).values
-        return loss, {"loss/ampo": loss.item(), "ampo/positive_margin": margin.mean().item(),
-                      "ampo/positive_top": (margin > 0).float().mean().item()}
+        return loss, {
+            "loss/ampo": loss.item(),
+            "ampo/positive_margin": margin.mean().item(),
+            "ampo/positive_top": (margin > 0).float().mean().item(),
+        }

@@ -8,6 +8,7 @@ is in `rlsys/contract.py`. Algorithms register by name:
 
 and `get_algorithm(name)` returns the class; `algorithm.name` in the config picks one.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -16,10 +17,9 @@ import numpy as np
 import pyarrow as pa
 
 from rlsys.config import ConfigError, check_job, validate_section
-from rlsys.contract import Prompt, RolloutContext, policy_names
+from rlsys.contract import Prompt, RolloutContext
 from rlsys.experience import make_experience, new_uid
 from rlsys.generation import GenerationRequest
-
 
 _REGISTRY: dict[str, type] = {}
 

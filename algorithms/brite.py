@@ -36,6 +36,7 @@ loaded with the current weights (`ctx.anchor_reference`), so the anchor is theta
 previous theta-steps and the KL to it starts at zero; checkpoints keep the anchor.
 `kl_anchor: initial` keeps the frozen initial policy instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,19 +47,20 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from rlsys.contract import Algorithm, AlgorithmConfig, HasWarmupTask, ModelOutputs, ReportsPrepareMetrics, Stateful
 from algorithms.base import register, set_token_column
 from algorithms.common import broadcast_to_tokens, clipped_policy_loss, rloo_advantages
 from algorithms.sft import sft_loss
 from envs.arithmetic import ANSWER_MARKER, carry_dropped_answer, ones_digit_step
 from envs.base import TrainSplitView
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import Algorithm, AlgorithmConfig, HasWarmupTask, ModelOutputs, ReportsPrepareMetrics, Stateful
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
 
 PHASES = ("psi", "theta")
-EXTRA_SCHEMA = pa.schema([("rationale_len", pa.int32()), ("shaped_reward", pa.float32()),
-                          ("phase", pa.string()), ("iteration", pa.int64())])
+EXTRA_SCHEMA = pa.schema(
+    [("rationale_len", pa.int32()), ("shaped_reward", pa.float32()), ("phase", pa.string()), ("iteration", pa.int64())]
+)
 
 
 class BRiTEConfig(AlgorithmConfig):
@@ -68,20 +70,24 @@ class BRiTEConfig(AlgorithmConfig):
     psi_steps: int = Field(1, ge=0, description="learner steps of KL-regularised RL per iteration")
     theta_steps: int = Field(1, ge=0, description="learner steps of likelihood fine-tuning per iteration")
     group_size: int = Field(4, ge=2, description="rationales sampled per prompt")
-    rationale_tokens: int = Field(8, ge=1, description="most sampled tokens of a rationale (a cut one gets the marker "
-                                  "appended)")
+    rationale_tokens: int = Field(
+        8, ge=1, description="most sampled tokens of a rationale (a cut one gets the marker appended)"
+    )
     answer_tokens: int = Field(4, ge=1, description="most tokens of the sampled answer, eos included")
     kl_coef: float = Field(1.0, ge=0, description="beta; 1 makes the psi-step optimum the posterior")
     kl_anchor: Literal["theta_t", "initial"] = Field(
-        "theta_t", description="the psi-step's KL reference: theta at the start of the iteration, or the initial "
-        "policy")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="psi-step: PPO clip range of the ratio to the rollout "
-                            "policy: [1 - eps, 1 + eps]")
+        "theta_t", description="the psi-step's KL reference: theta at the start of the iteration, or the initial policy"
+    )
+    clip_eps: float = Field(
+        0.2, gt=0, lt=1, description="psi-step: PPO clip range of the ratio to the rollout policy: [1 - eps, 1 + eps]"
+    )
     theta_weights: Literal["none", "posterior"] = Field(
-        "none", description="theta-step rows as sampled, or weighted toward the psi-step's optimum Q* "
-        "(posterior_weights)")
+        "none",
+        description="theta-step rows as sampled, or weighted toward the psi-step's optimum Q* (posterior_weights)",
+    )
     warmup: Literal["rationale", "answer"] = Field(
-        "rationale", description="warm-up target: '<rationale>#<answer>' (RationaleWarmupTask) or the bare answer")
+        "rationale", description="warm-up target: '<rationale>#<answer>' (RationaleWarmupTask) or the bare answer"
+    )
 
     @field_validator("theta_steps")
     @classmethod
@@ -105,8 +111,11 @@ class PhasePosition:
         """The same position, moved past any phase that is already complete (or empty)."""
         pos, length = self, {"psi": psi_steps, "theta": theta_steps}
         while pos.step_in_phase >= length[pos.phase]:
-            pos = (PhasePosition("theta", pos.iteration, 0) if pos.phase == "psi"
-                   else PhasePosition("psi", pos.iteration + 1, 0))
+            pos = (
+                PhasePosition("theta", pos.iteration, 0)
+                if pos.phase == "psi"
+                else PhasePosition("psi", pos.iteration + 1, 0)
+            )
         return pos
 
     def advance(self, psi_steps: int, theta_steps: int) -> "PhasePosition":
@@ -191,8 +200,12 @@ def rationale_row(row: dict, prompt: str) -> dict:
     (`envs.arithmetic.ones_digit_step`), then the answer; the gold answer kept in "gold_answer"."""
     gold = int(str(row["answer"]).strip())  # a non-numeric answer is a ValueError, as a non-arithmetic prompt
     rationale = ones_digit_step(prompt)
-    return {**row, "answer": rationale_target(rationale, gold), "rationale": str(rationale),
-            "gold_answer": row["answer"]}
+    return {
+        **row,
+        "answer": rationale_target(rationale, gold),
+        "rationale": str(rationale),
+        "gold_answer": row["answer"],
+    }
 
 
 def carry_dropped_rationale_row(row: dict, prompt: str) -> dict:
@@ -259,7 +272,8 @@ class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
         if state.get("phase") not in PHASES:
             raise ValueError(f"brite: checkpoint state has phase {state.get('phase')!r} (expected psi or theta)")
         self.position = PhasePosition(state["phase"], int(state["iteration"]), int(state["step_in_phase"])).settle(
-            self.config.psi_steps, self.config.theta_steps)
+            self.config.psi_steps, self.config.theta_steps
+        )
 
     def warmup_task(self, task, tokenizer):
         """The task the supervised warm-up trains on (the controller's hook): with `warmup:
@@ -275,45 +289,66 @@ class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
             marker_token_id(tokenizer)
             rows = warm.rows("train")
         except ValueError as e:
-            raise ConfigError(f"config error: 'algorithm.warmup'=rationale: task '{task.name}' has no ones-digit "
-                              f"rationale ({e}); set algorithm.warmup=answer") from None
+            raise ConfigError(
+                f"config error: 'algorithm.warmup'=rationale: task '{task.name}' has no ones-digit "
+                f"rationale ({e}); set algorithm.warmup=answer"
+            ) from None
         n, text = longest_rationale_tokens(tokenizer, rows)
         if n + 1 > c.rationale_tokens:
-            raise ConfigError(f"config error: 'algorithm.rationale_tokens'={c.rationale_tokens}: the warm-up rationale "
-                              f"{text!r} and the marker take {n + 1} tokens")
+            raise ConfigError(
+                f"config error: 'algorithm.rationale_tokens'={c.rationale_tokens}: the warm-up rationale "
+                f"{text!r} and the marker take {n + 1} tokens"
+            )
         return warm
 
     def rollout(self, ctx, prompts) -> pa.Table:
         c, tok, phase = self.config, ctx.tokenizer, self.position.phase
         if ctx.sampling().temperature != 1.0:
-            raise ValueError("brite: rollout.temperature must be 1.0 (the scoring pass reads log P at the sampling temperature)")
+            raise ValueError(
+                "brite: rollout.temperature must be 1.0 (the scoring pass reads log P at the sampling temperature)"
+            )
         marker, eos = marker_token_id(tok), tok.eos_token_id
-        params = ctx.sampling(n=c.group_size, max_new_tokens=c.rationale_tokens, stop_token_ids=(marker,),
-                              seed=ctx.next_seed())
+        params = ctx.sampling(
+            n=c.group_size, max_new_tokens=c.rationale_tokens, stop_token_ids=(marker,), seed=ctx.next_seed()
+        )
         rationales = ctx.generate([GenerationRequest(list(p.prompt_ids), params) for p in prompts])
         closed = [close_rationale(g.response_ids, g.logprobs, marker, eos) for g in rationales]
         params = ctx.sampling(n=1, max_new_tokens=c.answer_tokens, seed=ctx.next_seed())
-        answers = ctx.generate([GenerationRequest(g.prompt_ids + z, params) for g, (z, _, _) in zip(rationales, closed)])
+        answers = ctx.generate(
+            [GenerationRequest(g.prompt_ids + z, params) for g, (z, _, _) in zip(rationales, closed)]
+        )
         rows = []
         for g, (z, z_logprobs, z_mask), a in zip(rationales, closed, answers):
             prompt = prompts[g.request_index]
             gold = tok(str(prompt.meta["answer"]), add_special_tokens=False)["input_ids"] + [eos]
             sampled = tok.decode(z + a.response_ids, skip_special_tokens=True)
-            rows.append(dict(
-                uid=new_uid(), group=prompt.uid, prompt_ids=g.prompt_ids, response_ids=z + gold,
-                logprobs=z_logprobs + [0.0] * len(gold), policy_version=g.policy_version,
-                reward=float(ctx.task.is_correct(prompt.meta, sampled)),
-                loss_mask=z_mask + [0] * len(gold) if phase == "psi" else [1] * (len(z) + len(gold)),
-                rationale_len=len(z), phase=phase, iteration=self.position.iteration,
-                meta={**prompt.meta, "sampled": sampled, "marker_sampled": bool(z_mask[-1])},
-            ))
+            rows.append(
+                dict(
+                    uid=new_uid(),
+                    group=prompt.uid,
+                    prompt_ids=g.prompt_ids,
+                    response_ids=z + gold,
+                    logprobs=z_logprobs + [0.0] * len(gold),
+                    policy_version=g.policy_version,
+                    reward=float(ctx.task.is_correct(prompt.meta, sampled)),
+                    loss_mask=z_mask + [0] * len(gold) if phase == "psi" else [1] * (len(z) + len(gold)),
+                    rationale_len=len(z),
+                    phase=phase,
+                    iteration=self.position.iteration,
+                    meta={**prompt.meta, "sampled": sampled, "marker_sampled": bool(z_mask[-1])},
+                )
+            )
         table = make_experience(rows, EXTRA_SCHEMA)
         scored = ctx.policy_logprobs(table)  # log P(response token | prefix, theta) on the learner's weights
         lens = table.column("rationale_len").to_pylist()
-        table = table.set_column(table.schema.get_field_index("shaped_reward"), "shaped_reward",
-                                 pa.array(shaped_rewards(scored, lens), type=pa.float32()))
-        table = set_token_column(table, "logprobs", [lp[:n] + s[n:] for lp, s, n in zip(
-            table.column("logprobs").to_pylist(), scored, lens)])
+        table = table.set_column(
+            table.schema.get_field_index("shaped_reward"),
+            "shaped_reward",
+            pa.array(shaped_rewards(scored, lens), type=pa.float32()),
+        )
+        table = set_token_column(
+            table, "logprobs", [lp[:n] + s[n:] for lp, s, n in zip(table.column("logprobs").to_pylist(), scored, lens)]
+        )
         uses_anchor = c.kl_coef > 0 or c.theta_weights == "posterior"
         first_of_iteration = self.position.step_in_phase == 0 and (phase == "psi" or c.psi_steps == 0)
         if uses_anchor and c.kl_anchor == "theta_t" and first_of_iteration:
@@ -334,12 +369,16 @@ class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
     def _rationale_logprob_sums(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         """Sums of the sampler's and the anchor's logprobs over each row's sampled rationale tokens
         (an appended marker, an environment token, left out)."""
-        masks = [[1] * (n - 1) + [int(m["marker_sampled"])] for n, m in zip(
-            table.column("rationale_len").to_pylist(), meta_of(table))]
+        masks = [
+            [1] * (n - 1) + [int(m["marker_sampled"])]
+            for n, m in zip(table.column("rationale_len").to_pylist(), meta_of(table))
+        ]
 
         def sums(column):
-            return np.array([sum(v for v, m in zip(lp, mask) if m) for lp, mask in zip(
-                table.column(column).to_pylist(), masks)])
+            return np.array(
+                [sum(v for v, m in zip(lp, mask) if m) for lp, mask in zip(table.column(column).to_pylist(), masks)]
+            )
+
         return sums("logprobs"), sums("ref_logprobs")
 
     def prepare(self, table: pa.Table) -> TrainBatch:
@@ -356,8 +395,9 @@ class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
             batch.advantages = broadcast_to_tokens(torch.tensor(adv, dtype=torch.float32), batch.response_mask)
         elif self.config.theta_weights == "posterior":
             logq, logp = self._rationale_logprob_sums(table)
-            weights = posterior_weights(table.column("shaped_reward").to_pylist(), logq, logp,
-                                        table.column("group").to_pylist())
+            weights = posterior_weights(
+                table.column("shaped_reward").to_pylist(), logq, logp, table.column("group").to_pylist()
+            )
             batch.extras["weight"] = torch.tensor(weights, dtype=torch.float32)
         self.position = self.position.advance(self.config.psi_steps, self.config.theta_steps)
         return batch
@@ -378,8 +418,10 @@ class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
             out["brite/kl_ref"] = float(np.mean(logq - logp))
         if phase == "theta" and self.config.theta_weights == "posterior":  # effective sample size / rows
             logq, logp = self._rationale_logprob_sums(table)
-            w = posterior_weights(table.column("shaped_reward").to_pylist(), logq, logp, table.column("group").to_pylist())
-            out["brite/theta_ess"] = float(w.sum() ** 2 / (len(w) * (w ** 2).sum()))
+            w = posterior_weights(
+                table.column("shaped_reward").to_pylist(), logq, logp, table.column("group").to_pylist()
+            )
+            out["brite/theta_ess"] = float(w.sum() ** 2 / (len(w) * (w**2).sum()))
         return out
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
@@ -393,6 +435,7 @@ class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
                 weighted = weighted_sft_loss(outputs.logprobs, mask, batch.extras["weight"])
                 return weighted, {"loss/theta_nll": loss.item(), "loss/theta_weighted_nll": weighted.item()}
             return loss, {"loss/theta_nll": loss.item()}
-        loss, clip_frac, approx_kl = clipped_policy_loss(outputs.logprobs, batch.old_logprobs, batch.advantages, mask,
-                                                         self.config.clip_eps)
+        loss, clip_frac, approx_kl = clipped_policy_loss(
+            outputs.logprobs, batch.old_logprobs, batch.advantages, mask, self.config.clip_eps
+        )
         return loss, {"loss/psi_policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}

@@ -39,6 +39,7 @@ model is the run's policy (evaluated, exported as hf/); the others are saved bes
 checkpoints (learner-<name>/, hf-<name>/). `warmup_revision` adds revision turns in the
 game's format to the supervised warm-up, for a model that has never seen the game.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,17 +50,39 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from rlsys.contract import (Algorithm, AlgorithmConfig, HasWarmupTask, ModelOutputs, ReportsPrepareMetrics,
-                            RestartsPolicy, SkipsRowsWithoutGradient, Stateful, TrainsSeveralPolicies)
 from algorithms.base import register, rewards_of, set_token_column
-from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
-                               rows_with_gradient)
+from algorithms.common import (
+    broadcast_to_tokens,
+    clipped_policy_loss_with_kl,
+    group_stats,
+    grpo_advantages,
+    rows_with_gradient,
+)
 from algorithms.ppo import ppo_loss, ppo_prepare
 from algorithms.sft import sft_loss
 from envs.cdg_game import (
-    ROLES, Game, RevisionWarmupTask, Templates, Turn, critic_context, final_only_mask, play_games, prover_transcript,
+    ROLES,
+    Game,
+    RevisionWarmupTask,
+    Templates,
+    Turn,
+    critic_context,
+    final_only_mask,
+    play_games,
+    prover_transcript,
 )
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    HasWarmupTask,
+    ModelOutputs,
+    ReportsPrepareMetrics,
+    RestartsPolicy,
+    SkipsRowsWithoutGradient,
+    Stateful,
+    TrainsSeveralPolicies,
+)
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
 
@@ -72,30 +95,43 @@ class CDGConfig(AlgorithmConfig):
     eta: float = Field(0.5, ge=0, description="prover bonus for a correct first solution (kept against a misleader)")
     solutions: int = Field(4, ge=1, description="prover solutions z per problem (the prover's GRPO group)")
     critiques: int = Field(2, ge=1, description="critiques per solution (a critic's GRPO group)")
-    finals: int = Field(2, ge=1, description="final answers z' per critique: the repeated play behind flip/success "
-                        "rates")
+    finals: int = Field(
+        2, ge=1, description="final answers z' per critique: the repeated play behind flip/success rates"
+    )
     critique_tokens: int = Field(0, ge=0, description="max new tokens of a critique; 0: rollout.max_new_tokens")
-    helpful_prompt: str = Field("helpful critic:", min_length=1, description="role prefix of the helpful critic's "
-                                "context (before the problem and the solution)")
-    misleading_prompt: str = Field("misleading critic:", min_length=1, description="role prefix of the misleading "
-                                   "critic's context")
-    critique_open: str = Field(" critique:", min_length=1, description="text after the solution that opens a "
-                               "critique")
-    revise_open: str = Field(" final:", min_length=1, description="text after the critique that opens the prover's "
-                             "final answer")
+    helpful_prompt: str = Field(
+        "helpful critic:",
+        min_length=1,
+        description="role prefix of the helpful critic's context (before the problem and the solution)",
+    )
+    misleading_prompt: str = Field(
+        "misleading critic:", min_length=1, description="role prefix of the misleading critic's context"
+    )
+    critique_open: str = Field(" critique:", min_length=1, description="text after the solution that opens a critique")
+    revise_open: str = Field(
+        " final:", min_length=1, description="text after the critique that opens the prover's final answer"
+    )
     restate_problem: bool = Field(True, description="end the revision context with the problem asked again")
-    warmup_revision: bool = Field(False, description="also warm up on revision turns (a model that has never seen "
-                                  "the game)")
+    warmup_revision: bool = Field(
+        False, description="also warm up on revision turns (a model that has never seen the game)"
+    )
     models: Literal["shared", "prover_critic", "per_role"] = Field(
-        "shared", description="one policy for all roles, a prover and a critic model, or a model per role")
+        "shared", description="one policy for all roles, a prover and a critic model, or a model per role"
+    )
     # online
     advantage: Literal["grpo", "gae"] = Field(
-        "grpo", description="grpo: group-relative advantages, k3 KL in the loss; gae: PPO with a value head on each "
-                            "model, KL folded into the per-token reward")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="online: PPO clip range of the ratio to the rollout "
-                            "policy: [1 - eps, 1 + eps]")
-    kl_coef: float = Field(0.04, ge=0, description="online: KL to the reference: grpo: k3 weight in the loss; gae: "
-                           "penalty in the per-token reward")
+        "grpo",
+        description="grpo: group-relative advantages, k3 KL in the loss; gae: PPO with a value head on each "
+        "model, KL folded into the per-token reward",
+    )
+    clip_eps: float = Field(
+        0.2, gt=0, lt=1, description="online: PPO clip range of the ratio to the rollout policy: [1 - eps, 1 + eps]"
+    )
+    kl_coef: float = Field(
+        0.04,
+        ge=0,
+        description="online: KL to the reference: grpo: k3 weight in the loss; gae: penalty in the per-token reward",
+    )
     std_normalize: bool = Field(True, description="grpo: divide the advantages by the group's reward std")
     vf_coef: float = Field(0.5, ge=0, description="gae: weight of the clipped value loss")
     value_clip: float = Field(0.2, gt=0, description="gae: clip range of the new value around the rollout's value")
@@ -109,19 +145,26 @@ class CDGConfig(AlgorithmConfig):
         if advantage == "gae" and info.data.get("mode") == "rest":
             raise ValueError("'gae' is for mode online (ReST rounds fine-tune by SFT, no value head)")
         return advantage
+
     # rest
     play_steps: int = Field(1, ge=1, description="steps of play per ReST round")
     sft_steps: int = Field(1, ge=1, description="supervised steps per ReST round")
     sft_batch_size: int = Field(64, ge=1, description="pool samples per supervised step")
-    prover_threshold: float = Field(0.5, ge=0, le=1, description="keep a prover context whose success rate is above "
-                                    "this")
-    helpful_threshold: float = Field(0.75, ge=0, le=1, description="keep a helpful critique whose flip rate is "
-                                     "above this")
-    misleading_threshold: float = Field(0.5, ge=0, le=1, description="keep a misleading critique whose flip rate is "
-                                        "above this")
+    prover_threshold: float = Field(
+        0.5, ge=0, le=1, description="keep a prover context whose success rate is above this"
+    )
+    helpful_threshold: float = Field(
+        0.75, ge=0, le=1, description="keep a helpful critique whose flip rate is above this"
+    )
+    misleading_threshold: float = Field(
+        0.5, ge=0, le=1, description="keep a misleading critique whose flip rate is above this"
+    )
     max_pool_per_role: int = Field(10_000, ge=1, description="kept samples accumulated per role across rounds")
-    restart_each_round: bool = Field(True, description="each round's fine-tuning starts from the initial model (the "
-                                     "paper); false: from the current policy")
+    restart_each_round: bool = Field(
+        True,
+        description="each round's fine-tuning starts from the initial model (the "
+        "paper); false: from the current policy",
+    )
 
 
 # ---- the method, as pure functions ---------------------------------------------------------
@@ -168,8 +211,9 @@ def rest_keep(role: str, rate: float, final_ok: bool, thresholds: dict[str, floa
     return rate > thresholds[role] and (role != "prover" or final_ok)
 
 
-def game_rows(games: Sequence[Game], templates: Templates, eta: float, policy_version: int, phase: str,
-              round_: int = 0) -> list[dict]:
+def game_rows(
+    games: Sequence[Game], templates: Templates, eta: float, policy_version: int, phase: str, round_: int = 0
+) -> list[dict]:
     """Experience rows of played games: one per critique (critic row) and one per final answer
     (prover transcript). `meta.rate` is the sample's success rate by repeated play: the flip
     rate for a critique, P(z' ok) from the same (z, critique) context for a prover transcript."""
@@ -177,22 +221,49 @@ def game_rows(games: Sequence[Game], templates: Templates, eta: float, policy_ve
     for g in games:
         for j, c in enumerate(g.critiques):
             flip = flip_rate(g.role, c.finals_ok)
-            base = dict(game=f"{g.problem_uid}/{g.solution_index}", solution_ok=g.solution_ok, critic=g.role, phase=phase,
-                        round=round_)
-            rows.append(dict(
-                uid=new_uid(), group=f"{g.problem_uid}/{g.solution_index}/critic",
-                prompt_ids=critic_context(templates, g.role, g.problem_ids, g.solution.ids),
-                response_ids=c.turn.ids, logprobs=c.turn.logprobs, reward=flip, policy_version=policy_version,
-                meta={**base, "role": g.role, "rate": flip, "final_ok": None}))
+            base = dict(
+                game=f"{g.problem_uid}/{g.solution_index}",
+                solution_ok=g.solution_ok,
+                critic=g.role,
+                phase=phase,
+                round=round_,
+            )
+            rows.append(
+                dict(
+                    uid=new_uid(),
+                    group=f"{g.problem_uid}/{g.solution_index}/critic",
+                    prompt_ids=critic_context(templates, g.role, g.problem_ids, g.solution.ids),
+                    response_ids=c.turn.ids,
+                    logprobs=c.turn.logprobs,
+                    reward=flip,
+                    policy_version=policy_version,
+                    meta={**base, "role": g.role, "rate": flip, "final_ok": None},
+                )
+            )
             success = float(np.mean(c.finals_ok))
             for final, ok in zip(c.finals, c.finals_ok):
                 ids, logprobs, mask = prover_transcript(templates, g.problem_ids, g.solution, c.turn, final)
-                rows.append(dict(
-                    uid=new_uid(), group=f"{g.problem_uid}/prover", prompt_ids=g.problem_ids, response_ids=ids,
-                    logprobs=logprobs, loss_mask=mask, reward=prover_reward(g.solution_ok, ok, eta),
-                    policy_version=policy_version,
-                    meta={**base, "role": "prover", "rate": success, "final_ok": ok, "critique": j,
-                          "solution_len": len(g.solution.ids), "final_len": len(final.ids)}))
+                rows.append(
+                    dict(
+                        uid=new_uid(),
+                        group=f"{g.problem_uid}/prover",
+                        prompt_ids=g.problem_ids,
+                        response_ids=ids,
+                        logprobs=logprobs,
+                        loss_mask=mask,
+                        reward=prover_reward(g.solution_ok, ok, eta),
+                        policy_version=policy_version,
+                        meta={
+                            **base,
+                            "role": "prover",
+                            "rate": success,
+                            "final_ok": ok,
+                            "critique": j,
+                            "solution_len": len(g.solution.ids),
+                            "final_len": len(final.ids),
+                        },
+                    )
+                )
     return rows
 
 
@@ -204,8 +275,14 @@ def sft_sample(row: dict) -> dict:
     if meta["role"] == "prover":
         n, m = meta["solution_len"], meta["final_len"]
         mask = final_only_mask(n, len(row["response_ids"]) - n - m, m, keep_solution=meta["solution_ok"])
-    return dict(role=meta["role"], group=row["group"], prompt_ids=list(row["prompt_ids"]),
-                response_ids=list(row["response_ids"]), loss_mask=mask, rate=meta["rate"])
+    return dict(
+        role=meta["role"],
+        group=row["group"],
+        prompt_ids=list(row["prompt_ids"]),
+        response_ids=list(row["response_ids"]),
+        loss_mask=mask,
+        rate=meta["rate"],
+    )
 
 
 def add_to_pool(pool: dict[str, list], samples: Sequence[dict], cap: int) -> int:
@@ -220,7 +297,15 @@ def add_to_pool(pool: dict[str, list], samples: Sequence[dict], cap: int) -> int
 
 # ---- the plug-in ----------------------------------------------------------------------------
 @register("cdg")
-class CDG(Algorithm, Stateful, TrainsSeveralPolicies, HasWarmupTask, RestartsPolicy, ReportsPrepareMetrics, SkipsRowsWithoutGradient):
+class CDG(
+    Algorithm,
+    Stateful,
+    TrainsSeveralPolicies,
+    HasWarmupTask,
+    RestartsPolicy,
+    ReportsPrepareMetrics,
+    SkipsRowsWithoutGradient,
+):
     Config = CDGConfig
 
     def __init__(self, config: CDGConfig | None = None):
@@ -263,15 +348,30 @@ class CDG(Algorithm, Stateful, TrainsSeveralPolicies, HasWarmupTask, RestartsPol
 
     def _play(self, ctx, prompts) -> pa.Table:
         c = self.config
-        templates = Templates.from_text(ctx.tokenizer, c.helpful_prompt, c.misleading_prompt, c.critique_open, c.revise_open,
-                                       c.restate_problem)
+        templates = Templates.from_text(
+            ctx.tokenizer, c.helpful_prompt, c.misleading_prompt, c.critique_open, c.revise_open, c.restate_problem
+        )
         tokens = ctx.sampling().max_new_tokens
         problems = [(p.uid, p.meta, list(p.prompt_ids)) for p in prompts]
-        games = play_games(problems, sampler(ctx, self.models), checker(ctx), templates, c.solutions, c.critiques, c.finals,
-                           tokens, c.critique_tokens or tokens, tokens)
+        games = play_games(
+            problems,
+            sampler(ctx, self.models),
+            checker(ctx),
+            templates,
+            c.solutions,
+            c.critiques,
+            c.finals,
+            tokens,
+            c.critique_tokens or tokens,
+            tokens,
+        )
         rows = game_rows(games, templates, c.eta, ctx.policy_version, self.phase, self.round)
         if self.phase == "play":
-            kept = [r for r in rows if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], self._thresholds)]
+            kept = [
+                r
+                for r in rows
+                if rest_keep(r["meta"]["role"], r["meta"]["rate"], r["meta"]["final_ok"], self._thresholds)
+            ]
             added = add_to_pool(self.pool, [sft_sample(r) for r in kept], c.max_pool_per_role)
             for r in rows:
                 r["meta"]["pool_added"] = added
@@ -295,12 +395,26 @@ class CDG(Algorithm, Stateful, TrainsSeveralPolicies, HasWarmupTask, RestartsPol
         samples = [s for role in ROLES for s in self.pool[role]]
         rng = np.random.default_rng(ctx.next_seed())
         pick = rng.choice(len(samples), size=min(self.config.sft_batch_size, len(samples)), replace=False)
-        rows = [dict(uid=new_uid(), group=s["group"], prompt_ids=s["prompt_ids"], response_ids=s["response_ids"],
-                     logprobs=[0.0] * len(s["response_ids"]), loss_mask=s["loss_mask"], reward=s["rate"],
-                     policy_version=ctx.policy_version,
-                     meta={"role": s["role"], "phase": "sft", "rate": s["rate"], "round": self.round,
-                           "phase_step": self.phase_step})
-                for s in (samples[i] for i in sorted(pick))]
+        rows = [
+            dict(
+                uid=new_uid(),
+                group=s["group"],
+                prompt_ids=s["prompt_ids"],
+                response_ids=s["response_ids"],
+                logprobs=[0.0] * len(s["response_ids"]),
+                loss_mask=s["loss_mask"],
+                reward=s["rate"],
+                policy_version=ctx.policy_version,
+                meta={
+                    "role": s["role"],
+                    "phase": "sft",
+                    "rate": s["rate"],
+                    "round": self.round,
+                    "phase_step": self.phase_step,
+                },
+            )
+            for s in (samples[i] for i in sorted(pick))
+        ]
         return make_experience(rows)
 
     def _advance(self) -> None:
@@ -329,8 +443,10 @@ class CDG(Algorithm, Stateful, TrainsSeveralPolicies, HasWarmupTask, RestartsPol
             return batch
         if self.needs_value_head:
             return ppo_prepare(batch, self.config)
-        per_sequence = torch.tensor(grpo_advantages(rewards_of(table), table.column("group").to_pylist(),
-                                                    self.config.std_normalize), dtype=torch.float32)
+        per_sequence = torch.tensor(
+            grpo_advantages(rewards_of(table), table.column("group").to_pylist(), self.config.std_normalize),
+            dtype=torch.float32,
+        )
         batch.advantages = broadcast_to_tokens(per_sequence, batch.response_mask)
         return batch
 
@@ -374,12 +490,19 @@ class CDG(Algorithm, Stateful, TrainsSeveralPolicies, HasWarmupTask, RestartsPol
         return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)
 
     def state(self) -> dict:
-        return {"mode": self.config.mode, "round": self.round, "phase": self.phase, "phase_step": self.phase_step,
-                "pool": self.pool}
+        return {
+            "mode": self.config.mode,
+            "round": self.round,
+            "phase": self.phase,
+            "phase_step": self.phase_step,
+            "pool": self.pool,
+        }
 
     def load_state(self, state: dict) -> None:
         if state["mode"] != self.config.mode:
-            raise ValueError(f"checkpoint was written in CDG mode {state['mode']!r}, the config says {self.config.mode!r}")
+            raise ValueError(
+                f"checkpoint was written in CDG mode {state['mode']!r}, the config says {self.config.mode!r}"
+            )
         self.round, self.phase, self.phase_step = state["round"], state["phase"], state["phase_step"]
         self.pool = {r: list(state["pool"][r]) for r in ROLES}
 
@@ -392,16 +515,19 @@ def table_phase(table: pa.Table) -> str:
 def sampler(ctx, models: dict[str, str]):
     """The game's Sampler on the rollout workers: n turns per context at the rollout settings,
     each context sampled by the model of the role playing it (the models side by side)."""
+
     def sample(contexts, n: int, max_new_tokens: int, roles) -> list[list[Turn]]:
         params = ctx.sampling(n=n, seed=ctx.next_seed(), max_new_tokens=max_new_tokens)
         out: list[list[Turn]] = [[] for _ in contexts]
         per_model = rows_per_model(roles, models)
-        gens = ctx.generate_each({model: [GenerationRequest(list(contexts[i]), params) for i in ix]
-                                  for model, ix in per_model.items()})
+        gens = ctx.generate_each(
+            {model: [GenerationRequest(list(contexts[i]), params) for i in ix] for model, ix in per_model.items()}
+        )
         for model, ix in per_model.items():
             for g in gens[model]:
                 out[ix[g.request_index]].append(Turn(list(g.response_ids), list(g.logprobs), g.finish_reason))
         return out
+
     return sample
 
 

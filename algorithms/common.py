@@ -4,6 +4,7 @@ Every tensor argument named `mask` is 1 on trainable response tokens and 0 elsew
 (prompt, environment and padding tokens): masked positions contribute nothing to any
 loss, statistic or gradient.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -59,7 +60,9 @@ def group_ids(groups: Sequence[str]) -> np.ndarray:
     return np.array([index.setdefault(g, len(index)) for g in groups])
 
 
-def grpo_advantages(rewards: np.ndarray, groups: Sequence[str], std_normalize: bool = True, eps: float = 1e-6) -> np.ndarray:
+def grpo_advantages(
+    rewards: np.ndarray, groups: Sequence[str], std_normalize: bool = True, eps: float = 1e-6
+) -> np.ndarray:
     """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps); Dr.GRPO drops the std."""
     rewards = np.asarray(rewards, dtype=np.float64)
     ids = group_ids(groups)

@@ -25,6 +25,7 @@ from its own epoch plan over the task's training rows (the controller's prompts 
 batch size); the epoch, its subset order and the position in it are `state()`, so a
 checkpoint holds the schedule.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,15 +37,16 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from rlsys.contract import Algorithm, AlgorithmConfig, HasTeacher, ModelOutputs, ReportsPrepareMetrics, Stateful
 from algorithms.base import register
 from algorithms.common import masked_mean
 from algorithms.sft import sft_ids, warmup
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import Algorithm, AlgorithmConfig, HasTeacher, ModelOutputs, ReportsPrepareMetrics, Stateful
 from rlsys.experience import make_experience
 
-TEACHER_COLUMNS = pa.schema([("teacher_ids", pa.list_(pa.list_(pa.int32()))),
-                             ("teacher_logprobs", pa.list_(pa.list_(pa.float32())))])
+TEACHER_COLUMNS = pa.schema(
+    [("teacher_ids", pa.list_(pa.list_(pa.int32()))), ("teacher_logprobs", pa.list_(pa.list_(pa.float32())))]
+)
 
 
 # ---- the method, as pure functions ---------------------------------------------------------
@@ -131,8 +133,11 @@ def on_support(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 # ---- the plug-in -------------------------------------------------------------------------------
 class TeacherConfig(AlgorithmConfig):
-    path: Optional[str] = Field(None, description="local HF model dir of a trained teacher (its tokenizer must be "
-                                                  "the student's); null trains a tiny one of the sizes below")
+    path: Optional[str] = Field(
+        None,
+        description="local HF model dir of a trained teacher (its tokenizer must be "
+        "the student's); null trains a tiny one of the sizes below",
+    )
     hidden_size: int = Field(128, ge=8, description="tiny teacher: width of the residual stream")
     intermediate_size: int = Field(384, ge=8, description="tiny teacher: width of the MLP's hidden layer")
     num_hidden_layers: int = Field(4, ge=1, le=64, description="tiny teacher: decoder layers")
@@ -155,14 +160,19 @@ class DistillConfig(AlgorithmConfig):
 
     epochs: int = Field(6, ge=1, description="E: epochs of the keep-ratio schedule")
     schedule: Literal["cosine", "linear", "full"] = Field(
-        "cosine", description="share of the samples epoch e keeps: cosine 0.5 cos(pi e / E) + 0.5, linear 1 - e / E; "
-        "full: all of them (plain KD, the baseline)")
+        "cosine",
+        description="share of the samples epoch e keeps: cosine 0.5 cos(pi e / E) + 0.5, linear 1 - e / E; "
+        "full: all of them (plain KD, the baseline)",
+    )
     tau: float = Field(0.1, ge=0, le=1, description="share of each epoch drawn from the easy part D_low")
-    bdl_lambda: float = Field(0.9, ge=0, le=1, description="lambda of the bidirectional discrepancy loss (0: "
-                              "KL(p || q), 1: KL(q || p))")
+    bdl_lambda: float = Field(
+        0.9, ge=0, le=1, description="lambda of the bidirectional discrepancy loss (0: KL(p || q), 1: KL(q || p))"
+    )
     top_k: int = Field(0, ge=0, description="teacher tokens per position (0: the whole distribution)")
-    teacher: TeacherConfig = Field(TeacherConfig(), description="the teacher: a trained local model, or a tiny one "
-                                   "trained on the task before the run")
+    teacher: TeacherConfig = Field(
+        TeacherConfig(),
+        description="the teacher: a trained local model, or a tiny one trained on the task before the run",
+    )
 
 
 @register("distill")
@@ -190,13 +200,22 @@ class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
         t = self.config.teacher
         if t.path:
             if load_tokenizer(t.path).get_vocab() != tokenizer.get_vocab():
-                raise ConfigError(f"config error: algorithm.teacher.path = {t.path!r}: its tokenizer differs from the "
-                                  f"student's (train the teacher on this task's tokenizer)")
+                raise ConfigError(
+                    f"config error: algorithm.teacher.path = {t.path!r}: its tokenizer differs from the "
+                    f"student's (train the teacher on this task's tokenizer)"
+                )
             return Path(t.path)
         out = Path(run_dir) / "teacher"
         if not (out / "config.json").exists():
-            sizes = t.model_dump(include={"hidden_size", "intermediate_size", "num_hidden_layers",
-                                          "num_attention_heads", "num_key_value_heads"})
+            sizes = t.model_dump(
+                include={
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                }
+            )
             model = build_tiny_model(TinyModelSpec(**sizes), tokenizer, seed=seed + 1)
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # in the driver, beside the actors: one core
@@ -215,9 +234,19 @@ class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
 
     def _table_of(self, ctx, index: Sequence[int]) -> pa.Table:
         prompts, answers = self._training_ids(ctx)
-        rows = [dict(uid=f"train-{i}", group=f"train-{i}", prompt_ids=prompts[i], response_ids=answers[i],
-                     logprobs=[], reward=0.0, policy_version=ctx.policy_version, meta={"sample": int(i)})
-                for i in index]
+        rows = [
+            dict(
+                uid=f"train-{i}",
+                group=f"train-{i}",
+                prompt_ids=prompts[i],
+                response_ids=answers[i],
+                logprobs=[],
+                reward=0.0,
+                policy_version=ctx.policy_version,
+                meta={"sample": int(i)},
+            )
+            for i in index
+        ]
         return make_experience(rows, TEACHER_COLUMNS)
 
     def _scores(self, ctx) -> np.ndarray:
@@ -233,8 +262,11 @@ class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
         ratio = keep_ratio(self.epoch, c.epochs, c.schedule)
         n_keep = subset_size(n, ratio)
         rng = np.random.default_rng(ctx.next_seed())
-        self.epoch_metrics = {"distill/epoch": float(self.epoch), "distill/keep_ratio": ratio,
-                              "distill/epoch_samples": float(n_keep)}
+        self.epoch_metrics = {
+            "distill/epoch": float(self.epoch),
+            "distill/keep_ratio": ratio,
+            "distill/epoch_samples": float(n_keep),
+        }
         if n_keep == n:  # everything is kept: no scores needed
             self.order = rng.permutation(n).tolist()
         else:
@@ -253,8 +285,9 @@ class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
         table = self._table_of(ctx, index)
         top = ctx.teacher_top_logprobs(table, self.config.top_k)
         for name, column in zip(TEACHER_COLUMNS.names, zip(*top)):
-            table = table.set_column(table.schema.get_field_index(name), name,
-                                     pa.array(list(column), type=TEACHER_COLUMNS.field(name).type))
+            table = table.set_column(
+                table.schema.get_field_index(name), name, pa.array(list(column), type=TEACHER_COLUMNS.field(name).type)
+            )
         return table
 
     def prepare(self, table: pa.Table) -> TrainBatch:
@@ -262,9 +295,13 @@ class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
         B, T = batch.response_mask.shape
         k = len(table.column("teacher_ids")[0].as_py()[0])
         ids, logprobs = torch.zeros((B, T, k), dtype=torch.long), torch.zeros((B, T, k))
-        for i, (p, tid, tlp) in enumerate(zip(table.column("prompt_ids").to_pylist(),
-                                              table.column("teacher_ids").to_pylist(),
-                                              table.column("teacher_logprobs").to_pylist())):
+        for i, (p, tid, tlp) in enumerate(
+            zip(
+                table.column("prompt_ids").to_pylist(),
+                table.column("teacher_ids").to_pylist(),
+                table.column("teacher_logprobs").to_pylist(),
+            )
+        ):
             span = slice(len(p) - 1, len(p) - 1 + len(tid))
             ids[i, span], logprobs[i, span] = torch.tensor(tid), torch.tensor(tlp)
         batch.extras.update(teacher_ids=ids, teacher_logprobs=logprobs)
@@ -286,8 +323,12 @@ class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
 
     # -- checkpointed state -------------------------------------------------------------------
     def state(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "order": list(map(int, self.order)),
-                "epoch_metrics": self.epoch_metrics}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "order": list(map(int, self.order)),
+            "epoch_metrics": self.epoch_metrics,
+        }
 
     def load_state(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

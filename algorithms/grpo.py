@@ -5,6 +5,7 @@ For G responses to one prompt with rewards r_1..r_G,
 shared by every token of response i, in the PPO clipped surrogate, plus
     kl_coef * k3(pi, ref),  k3 = exp(ref - logp) - (ref - logp) - 1.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,24 +14,41 @@ import torch
 from pydantic import Field
 
 from algorithms.base import register, rewards_of, sample_groups
-from algorithms.common import (broadcast_to_tokens, clipped_policy_loss_with_kl, grpo_advantages, group_stats,
-                               rows_with_gradient)
+from algorithms.common import (
+    broadcast_to_tokens,
+    clipped_policy_loss_with_kl,
+    group_stats,
+    grpo_advantages,
+    rows_with_gradient,
+)
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import (Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, SkipsRowsWithoutGradient,
-                            TrainsOnStaleRows)
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    ModelOutputs,
+    ReportsPrepareMetrics,
+    SkipsRowsWithoutGradient,
+    TrainsOnStaleRows,
+)
 
 
 class GRPOConfig(AlgorithmConfig):
     """GRPO (Shao et al. 2024): group-relative advantages, no critic, k3 KL to the reference as a loss."""
 
-    group_size: int = Field(4, ge=2, description="responses sampled per prompt (G); a step's rows are "
-                            "trainer.prompts_per_step times this")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: "
-                            "[1 - eps, 1 + eps]")
-    kl_coef: float = Field(0.04, ge=0, description="weight of the k3 KL to the reference in the loss (0: no "
-                           "reference logprobs are computed)")
-    std_normalize: bool = Field(True, description="divide the advantages by the group's reward std; false gives "
-                                "Dr.GRPO's unscaled advantages")
+    group_size: int = Field(
+        4, ge=2, description="responses sampled per prompt (G); a step's rows are trainer.prompts_per_step times this"
+    )
+    clip_eps: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: [1 - eps, 1 + eps]"
+    )
+    kl_coef: float = Field(
+        0.04,
+        ge=0,
+        description="weight of the k3 KL to the reference in the loss (0: no reference logprobs are computed)",
+    )
+    std_normalize: bool = Field(
+        True, description="divide the advantages by the group's reward std; false gives Dr.GRPO's unscaled advantages"
+    )
 
 
 @register("grpo")

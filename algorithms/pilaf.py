@@ -13,6 +13,7 @@ or a Bradley-Terry draw P(a > b) = sigmoid(r_a - r_b). The learner minimises the
     -log sigmoid(beta * ((log pi_theta(y_w) - log pi_ref(y_w)) - (log pi_theta(y_l) - log pi_ref(y_l))))
 with beta = 0.1, the same beta as the interpolation (the implicit reward is beta*log(pi_theta/pi_ref)).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics
 from algorithms.base import register, score_and_ref_logprobs, set_rewards, set_token_column
 from algorithms.common import masked_sum
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest, Interpolation
 
@@ -36,15 +37,26 @@ from rlsys.generation import GenerationRequest, Interpolation
 class PILAFConfig(AlgorithmConfig):
     """PILAF (Feng et al. 2025): online DPO on pairs sampled from interpolations of the policy and the reference."""
 
-    sampler: Literal["pilaf", "vanilla"] = Field("pilaf", description="pilaf: a share of the pairs from the "
-                                                 "interpolated policies; vanilla: both responses from the policy "
-                                                 "(plain online DPO)")
+    sampler: Literal["pilaf", "vanilla"] = Field(
+        "pilaf",
+        description="pilaf: a share of the pairs from the "
+        "interpolated policies; vanilla: both responses from the policy "
+        "(plain online DPO)",
+    )
     beta: float = Field(0.1, gt=0, description="DPO beta, also the interpolation's beta")
-    interpolated_fraction: float = Field(0.5, ge=0, le=1, description="sampler pilaf: probability that a prompt's "
-                                         "pair is drawn from (pi_plus, pi_minus) instead of twice from the policy")
-    labels: Literal["max", "bradley_terry"] = Field("max", description="how a pair's two scores become a preference: "
-                                                    "max: the higher wins (a tie: no preference); bradley_terry: a "
-                                                    "wins with probability sigmoid(r_a - r_b)")
+    interpolated_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="sampler pilaf: probability that a prompt's "
+        "pair is drawn from (pi_plus, pi_minus) instead of twice from the policy",
+    )
+    labels: Literal["max", "bradley_terry"] = Field(
+        "max",
+        description="how a pair's two scores become a preference: "
+        "max: the higher wins (a tie: no preference); bradley_terry: a "
+        "wins with probability sigmoid(r_a - r_b)",
+    )
 
 
 @dataclass
@@ -109,7 +121,7 @@ class PILAF(Algorithm, ReportsPrepareMetrics):
         policy = ctx.sampling(n=2, seed=ctx.next_seed())
         requests, origin = [], []  # origin: (pair index, sampler) per request
         for i, (prompt, m) in enumerate(zip(prompts, mixed)):
-            for params, sampler in ([(plus, "plus"), (minus, "minus")] if m else [(policy, "policy")]):
+            for params, sampler in [(plus, "plus"), (minus, "minus")] if m else [(policy, "policy")]:
                 requests.append(GenerationRequest(list(prompt.prompt_ids), params))
                 origin.append((i, sampler))
         generations = sorted(ctx.generate(requests), key=lambda g: g.request_index)  # a pair's two rows adjacent
@@ -117,9 +129,18 @@ class PILAF(Algorithm, ReportsPrepareMetrics):
         rows = []
         for g in generations:
             i, sampler = origin[g.request_index]
-            rows.append(dict(uid=new_uid(), group=groups[i], prompt_ids=g.prompt_ids, response_ids=g.response_ids,
-                             logprobs=g.logprobs, reward=0.0, policy_version=g.policy_version,
-                             meta={**prompts[i].meta, "finish_reason": g.finish_reason, "sampler": sampler}))
+            rows.append(
+                dict(
+                    uid=new_uid(),
+                    group=groups[i],
+                    prompt_ids=g.prompt_ids,
+                    response_ids=g.response_ids,
+                    logprobs=g.logprobs,
+                    reward=0.0,
+                    policy_version=g.policy_version,
+                    meta={**prompts[i].meta, "finish_reason": g.finish_reason, "sampler": sampler},
+                )
+            )
         table = make_experience(rows)
         rewards, ref_logprobs = score_and_ref_logprobs(ctx, table)
         table = set_token_column(set_rewards(table, rewards), "ref_logprobs", ref_logprobs)
@@ -145,8 +166,10 @@ class PILAF(Algorithm, ReportsPrepareMetrics):
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         metas, rewards = meta_of(table), table.column("reward").to_pylist()
-        out = {"pilaf/decisive_pairs": float(np.mean([m["decisive"] for m in metas])),
-               "pilaf/interpolated_pairs": float(np.mean([m["sampler"] != "policy" for m in metas]))}
+        out = {
+            "pilaf/decisive_pairs": float(np.mean([m["decisive"] for m in metas])),
+            "pilaf/interpolated_pairs": float(np.mean([m["sampler"] != "policy" for m in metas])),
+        }
         for sampler in ("plus", "minus", "policy"):
             mine = [r for r, m in zip(rewards, metas) if m["sampler"] == sampler]
             if mine:

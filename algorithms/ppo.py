@@ -5,25 +5,35 @@ kl_coef * (logp - ref_logp) on every token. A value head on the policy estimates
 GAE (gamma=1, lambda=0.95) gives advantages, whitened over the batch, and returns = A + V.
 Loss: clipped surrogate (eps 0.2) + vf_coef * clipped value loss (value_clip 0.2).
 """
+
 from __future__ import annotations
 
 import pyarrow as pa
 from pydantic import Field
 
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs
 from algorithms.base import register, sample_groups, set_token_column
-from algorithms.common import clipped_policy_loss, clipped_value_loss, gae, kl_penalised_rewards, masked_mean, masked_whiten
+from algorithms.common import (
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae,
+    kl_penalised_rewards,
+    masked_mean,
+    masked_whiten,
+)
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs
 
 
 class PPOConfig(AlgorithmConfig):
     """PPO (Ouyang et al. 2022): a value head on the policy, GAE, the KL penalty in the per-token reward."""
 
     group_size: int = Field(1, ge=1, description="responses sampled per prompt")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: "
-                            "[1 - eps, 1 + eps]")
-    value_clip: float = Field(0.2, gt=0, description="clip range of the new value around the rollout's value "
-                              "in the value loss")
+    clip_eps: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: [1 - eps, 1 + eps]"
+    )
+    value_clip: float = Field(
+        0.2, gt=0, description="clip range of the new value around the rollout's value in the value loss"
+    )
     vf_coef: float = Field(0.5, ge=0, description="weight of the clipped value loss")
     kl_coef: float = Field(0.05, ge=0, description="KL penalty folded into the per-token reward")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per token")

@@ -20,6 +20,7 @@ episodes from simply pushing the policy's probabilities down). Loss:
 with w = min(1, pi_old / mu) the importance weight to the behaviour policy mu (the
 sampler's logprobs; pi_old is the learner's own recomputation before the update), capped at 1.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -30,11 +31,11 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from rlsys.contract import Algorithm, AlgorithmConfig, EvaluatesItself, ModelOutputs, ReportsPrepareMetrics
 from algorithms.base import register, set_token_column
 from algorithms.common import clipped_policy_loss, clipped_value_loss, masked_mean, masked_whiten
 from envs.code import play_episodes
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import Algorithm, AlgorithmConfig, EvaluatesItself, ModelOutputs, ReportsPrepareMetrics
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
 
@@ -44,18 +45,30 @@ LEARNER_LOGPROBS = pa.schema([("learner_logprobs", pa.list_(pa.float32()))])
 class RLEFConfig(AlgorithmConfig):
     """RLEF (Gehring et al. 2024): multi-turn code RL with execution feedback (task code), PPO with per-turn values."""
 
-    max_turns: int = Field(3, ge=1, le=10, description="most answers per episode (an episode ends at the first "
-                           "that passes the public tests)")
+    max_turns: int = Field(
+        3,
+        ge=1,
+        le=10,
+        description="most answers per episode (an episode ends at the first that passes the public tests)",
+    )
     samples_per_prompt: int = Field(1, ge=1, le=64, description="episodes per prompt")
     kl_coef: float = Field(0.05, ge=0, description="beta of the per-turn KL penalty")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the learner's own "
-                            "logprobs before the update: [1 - eps, 1 + eps]")
-    value_clip: float = Field(0.2, gt=0, description="clip range of the new value around the rollout's value in "
-                              "the value loss")
+    clip_eps: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="PPO clip range of the ratio to the learner's own logprobs before the update: [1 - eps, 1 + eps]",
+    )
+    value_clip: float = Field(
+        0.2, gt=0, description="clip range of the new value around the rollout's value in the value loss"
+    )
     vf_coef: float = Field(0.5, ge=0, description="weight of the clipped value loss")
     feedback_chars: int = Field(500, ge=80, le=20000, description="longest feedback turn, in characters")
-    whiten_advantages: bool = Field(True, description="whiten A over the batch's answer tokens (as ppo does); "
-                                    "an affine map, so every token of a turn still shares one value")
+    whiten_advantages: bool = Field(
+        True,
+        description="whiten A over the batch's answer tokens (as ppo does); "
+        "an affine map, so every token of a turn still shares one value",
+    )
 
 
 def turn_spans(turn_lengths: Sequence[int], feedback_lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -73,8 +86,9 @@ def turn_kl(logprobs: Sequence[float], ref_logprobs: Sequence[float], spans: Seq
     return [float((lp[a:b] - ref[a:b]).mean()) if b > a else 0.0 for a, b in spans]
 
 
-def turn_advantages(turn_rewards: Sequence[float], turn_kls: Sequence[float], turn_values: Sequence[float],
-                    kl_coef: float) -> tuple[np.ndarray, np.ndarray]:
+def turn_advantages(
+    turn_rewards: Sequence[float], turn_kls: Sequence[float], turn_values: Sequence[float], kl_coef: float
+) -> tuple[np.ndarray, np.ndarray]:
     """(returns G_t = sum_{i>=t} R_i, advantages A_t = G_t - V(c_t)) with
     R_t = r_t - kl_coef * kl_t and gamma = 1."""
     r = np.asarray(turn_rewards, dtype=np.float64) - kl_coef * np.asarray(turn_kls, dtype=np.float64)
@@ -124,8 +138,9 @@ class TokenTurns:
                 self._append(i, ids, [0.0] * len(ids), trained=False)
                 self.feedback_lengths[i].append(len(ids))
         params = self.params()
-        gens = self.ctx.generate([GenerationRequest(list(self.prompts[i].prompt_ids) + self.response[i], params)
-                                  for i in active])
+        gens = self.ctx.generate(
+            [GenerationRequest(list(self.prompts[i].prompt_ids) + self.response[i], params) for i in active]
+        )
         gens = sorted(gens, key=lambda g: g.request_index)
         for i, g in zip(active, gens):
             self._append(i, g.response_ids, g.logprobs, trained=True)
@@ -143,25 +158,45 @@ class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics):
         self.config = config or self.Config()
 
     def _open_episodes(self, ctx, starts, uids: Sequence[str]) -> list:
-        return [ctx.task.episode(p.meta, self.config.max_turns, uid=uid, feedback_chars=self.config.feedback_chars)
-                for p, uid in zip(starts, uids)]
+        return [
+            ctx.task.episode(p.meta, self.config.max_turns, uid=uid, feedback_chars=self.config.feedback_chars)
+            for p, uid in zip(starts, uids)
+        ]
 
     def rollout(self, ctx, prompts) -> pa.Table:
         c = self.config
         starts = [p for p in prompts for _ in range(c.samples_per_prompt)]
-        episodes = self._open_episodes(ctx, starts, [f"{p.uid}/{k % c.samples_per_prompt}" for k, p in enumerate(starts)])
+        episodes = self._open_episodes(
+            ctx, starts, [f"{p.uid}/{k % c.samples_per_prompt}" for k, p in enumerate(starts)]
+        )
         turns = TokenTurns(ctx, starts, episodes, lambda: ctx.sampling(n=1, seed=ctx.next_seed()))
         play_episodes(episodes, turns, ctx.execute)  # a turn's public runs (then the private ones) at once
         rows = []
         for i, (p, e) in enumerate(zip(starts, episodes)):
-            meta = {**p.meta, "turn_rewards": e.turn_rewards, "answer_lengths": turns.answer_lengths[i],
-                    "feedback_lengths": turns.feedback_lengths[i], "public_passed": e.public_passed,
-                    "private_passed": e.private_passed, "no_code_turns": sum(x is None for x in e.programs),
-                    "finish_reasons": turns.finish[i],
-                    "sandbox_runs": sum(x is not None for x in e.programs) + (e.programs[-1] is not None)}
-            rows.append(dict(uid=new_uid(), group=p.uid, prompt_ids=list(p.prompt_ids), response_ids=turns.response[i],
-                             logprobs=turns.logprobs[i], loss_mask=turns.loss_mask[i], reward=e.reward,
-                             policy_version=ctx.policy_version, meta=meta))
+            meta = {
+                **p.meta,
+                "turn_rewards": e.turn_rewards,
+                "answer_lengths": turns.answer_lengths[i],
+                "feedback_lengths": turns.feedback_lengths[i],
+                "public_passed": e.public_passed,
+                "private_passed": e.private_passed,
+                "no_code_turns": sum(x is None for x in e.programs),
+                "finish_reasons": turns.finish[i],
+                "sandbox_runs": sum(x is not None for x in e.programs) + (e.programs[-1] is not None),
+            }
+            rows.append(
+                dict(
+                    uid=new_uid(),
+                    group=p.uid,
+                    prompt_ids=list(p.prompt_ids),
+                    response_ids=turns.response[i],
+                    logprobs=turns.logprobs[i],
+                    loss_mask=turns.loss_mask[i],
+                    reward=e.reward,
+                    policy_version=ctx.policy_version,
+                    meta=meta,
+                )
+            )
         table = make_experience(rows, LEARNER_LOGPROBS)
         table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         table = set_token_column(table, "values", ctx.values(table))
@@ -200,9 +235,9 @@ class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics):
         old = batch.old_logprobs.clone()
         for i, (spans, g, a) in enumerate(self._turn_targets(table)):
             o = len(prompts[i]) - 1  # response token j sits at column o + j
-            old[i, o:o + len(learner[i])] = torch.tensor(learner[i])
+            old[i, o : o + len(learner[i])] = torch.tensor(learner[i])
             for t, (s, e) in enumerate(spans):
-                advantages[i, o + s:o + e] = float(a[t])
+                advantages[i, o + s : o + e] = float(a[t])
                 if e > s:
                     returns[i, o + s], value_mask[i, o + s] = float(g[t]), 1.0
         batch.extras = {"behaviour_logprobs": batch.old_logprobs, "value_mask": value_mask}
@@ -222,7 +257,9 @@ class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics):
             "rlef/turns_mean": float(np.mean([len(m["answer_lengths"]) for m in metas])),
             "rlef/no_code_turns": float(np.mean([m["no_code_turns"] for m in metas])),
             "rlef/sandbox_runs": float(sum(m.get("sandbox_runs", 0) for m in metas)),
-            "rlef/fixed_after_feedback": float(np.mean([bool(m["public_passed"]) for m in first_fail])) if first_fail else 0.0,
+            "rlef/fixed_after_feedback": float(np.mean([bool(m["public_passed"]) for m in first_fail]))
+            if first_fail
+            else 0.0,
         }
         for k in range(1, self.config.max_turns + 1):
             out[f"rlef/turns_{k}"] = turns.get(k, 0) / len(metas)
@@ -233,7 +270,8 @@ class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics):
         weight = capped_importance_weight(batch.old_logprobs, batch.extras["behaviour_logprobs"])
         # w > 0, so -min(r*A, clip(r)*A) * w is the surrogate with advantages w*A
         policy_loss, clip_frac, approx_kl = clipped_policy_loss(
-            outputs.logprobs, batch.old_logprobs, batch.advantages * weight, mask, c.clip_eps)
+            outputs.logprobs, batch.old_logprobs, batch.advantages * weight, mask, c.clip_eps
+        )
         value_mask = batch.extras["value_mask"]
         value_loss = clipped_value_loss(outputs.values, batch.old_values, batch.returns, value_mask, c.value_clip)
         loss = policy_loss + c.vf_coef * value_loss

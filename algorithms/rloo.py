@@ -3,6 +3,7 @@
     A_i = r_i - mean_{j != i} r_j    over the k responses to one prompt,
 used in the same clipped surrogate and k3 KL loss as GRPO; only the advantage differs.
 """
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -13,20 +14,31 @@ from algorithms.base import register, rewards_of, sample_groups
 from algorithms.common import clipped_policy_loss_with_kl, group_stats, rloo_advantages, rows_with_gradient
 from algorithms.grpo import sequence_advantage_batch
 from rlsys.batch import TrainBatch
-from rlsys.contract import (Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, SkipsRowsWithoutGradient,
-                            TrainsOnStaleRows)
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    ModelOutputs,
+    ReportsPrepareMetrics,
+    SkipsRowsWithoutGradient,
+    TrainsOnStaleRows,
+)
 
 
 class RLOOConfig(AlgorithmConfig):
     """RLOO (Ahmadian et al. 2024): REINFORCE with a leave-one-out baseline, in GRPO's clipped surrogate and k3 KL
     loss."""
 
-    group_size: int = Field(4, ge=2, description="responses sampled per prompt (k); each one's baseline is the "
-                            "mean reward of the other k-1")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: "
-                            "[1 - eps, 1 + eps]")
-    kl_coef: float = Field(0.04, ge=0, description="weight of the k3 KL to the reference in the loss (0: no "
-                           "reference logprobs are computed)")
+    group_size: int = Field(
+        4, ge=2, description="responses sampled per prompt (k); each one's baseline is the mean reward of the other k-1"
+    )
+    clip_eps: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: [1 - eps, 1 + eps]"
+    )
+    kl_coef: float = Field(
+        0.04,
+        ge=0,
+        description="weight of the k3 KL to the reference in the loss (0: no reference logprobs are computed)",
+    )
 
 
 @register("rloo")

@@ -3,6 +3,7 @@
 It runs in-process before the RL actors start, so the policy begins RL with well-formed
 answers; its result is both the initial policy and the frozen reference.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,7 +19,9 @@ from rlsys.logprobs import forward_logprobs
 def sft_ids(tokenizer, rows: Sequence[dict], task) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of each row's prompt and of its answer + eos."""
     prompts = [tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in rows]
-    answers = [tokenizer(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
+    answers = [
+        tokenizer(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows
+    ]
     return prompts, answers
 
 
@@ -32,8 +35,18 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return -masked_mean(logprobs, mask)
 
 
-def warmup(model, tokenizer, task, rows: list[dict], steps: int, batch_size: int, lr: float, seed: int,
-           on_step: Callable[[int, float], None] | None = None, demo_error: float = 0.0) -> list[float]:
+def warmup(
+    model,
+    tokenizer,
+    task,
+    rows: list[dict],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    on_step: Callable[[int, float], None] | None = None,
+    demo_error: float = 0.0,
+) -> list[float]:
     """`steps` AdamW steps on random minibatches of `rows`. Returns the loss curve.
     `demo_error`: each drawn row is, with this probability, the task's flawed demonstration
     of it (`task.flawed_demonstration`), as imperfect human or model-written SFT data is."""

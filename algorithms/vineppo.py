@@ -17,6 +17,7 @@ estimated by sampling continuations from it:
 6. PPO update without a critic: advantages whitened over the batch, clip 0.2, k3 KL to the
    reference as a loss (coef 1e-4); the paper's 2 epochs are `learner.epochs` (configs/vineppo.yaml).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,10 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, SkipsRowsWithoutGradient
 from algorithms.base import register, sample_groups, set_rewards, set_token_column
 from algorithms.common import clipped_policy_loss_with_kl, masked_whiten, rows_with_gradient
 from rlsys.batch import TrainBatch, collate
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, SkipsRowsWithoutGradient
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
 
@@ -45,12 +46,18 @@ class VinePPOConfig(AlgorithmConfig):
 
     group_size: int = Field(8, ge=1, description="trajectories sampled per prompt")
     mc_rollouts: int = Field(9, ge=1, description="K: Monte Carlo continuations per value state")
-    max_value_steps: int = Field(32, ge=1, description="at most this many steps (value states) per response; "
-                                                       "longer responses have neighbouring steps merged")
-    min_step_chars: int = Field(20, ge=0, description="a step shorter than this many characters that does not end "
-                                "in '.' merges into the next")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: "
-                            "[1 - eps, 1 + eps]")
+    max_value_steps: int = Field(
+        32,
+        ge=1,
+        description="at most this many steps (value states) per response; "
+        "longer responses have neighbouring steps merged",
+    )
+    min_step_chars: int = Field(
+        20, ge=0, description="a step shorter than this many characters that does not end in '.' merges into the next"
+    )
+    clip_eps: float = Field(
+        0.2, gt=0, lt=1, description="PPO clip range of the ratio to the rollout policy: [1 - eps, 1 + eps]"
+    )
     kl_coef: float = Field(1e-4, ge=0, description="k3 KL to the reference, as a loss")
     whiten_advantages: bool = Field(True, description="whiten the step advantages over the batch's response tokens")
 
@@ -122,7 +129,9 @@ def per_token(per_step: Sequence[float], ends: Sequence[int]) -> list[float]:
 
 def response_steps(tokenizer, response_ids: list[int], min_chars: int, max_steps: int) -> list[int]:
     """Step ends (token indices) of one response, decoded without special tokens."""
-    prefix_chars = [len(tokenizer.decode(response_ids[:j], skip_special_tokens=True)) for j in range(len(response_ids) + 1)]
+    prefix_chars = [
+        len(tokenizer.decode(response_ids[:j], skip_special_tokens=True)) for j in range(len(response_ids) + 1)
+    ]
     text = tokenizer.decode(response_ids, skip_special_tokens=True)
     return cap_steps(step_token_ends(split_steps(text, min_chars), prefix_chars), max_steps)
 
@@ -147,7 +156,9 @@ class VinePPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient):
         metas = meta_of(table)
         rewards = [score_from(m["finish_reason"], r) for m, r in zip(metas, table.column("reward").to_pylist())]
         ends = [response_steps(ctx.tokenizer, r, c.min_step_chars, c.max_value_steps) for r in responses]
-        states = [[(tuple(p), tuple(r[:j])) for j in value_state_prefixes(e)] for p, r, e in zip(prompt_ids, responses, ends)]
+        states = [
+            [(tuple(p), tuple(r[:j])) for j in value_state_prefixes(e)] for p, r, e in zip(prompt_ids, responses, ends)
+        ]
         state_meta = {s: m for row, m in zip(states, metas) for s in row}  # deduplicated across the batch
         values = mc_value_estimates(self._mc_returns(ctx, state_meta))
         step_values = [[values[s] for s in row] for row in states]
@@ -163,14 +174,26 @@ class VinePPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient):
         full response (prefix + continuation) within the original length budget."""
         base = ctx.sampling(n=self.config.mc_rollouts, seed=ctx.next_seed())
         keys = list(state_meta)
-        requests = [GenerationRequest([*p, *prefix], ctx.sampling(n=base.n, seed=base.seed,
-                                                                   max_new_tokens=base.max_new_tokens - len(prefix)))
-                    for p, prefix in keys]
+        requests = [
+            GenerationRequest(
+                [*p, *prefix], ctx.sampling(n=base.n, seed=base.seed, max_new_tokens=base.max_new_tokens - len(prefix))
+            )
+            for p, prefix in keys
+        ]
         generations = ctx.generate(requests)
-        rows = [dict(uid=new_uid(), group="mc", prompt_ids=list(keys[g.request_index][0]),
-                     response_ids=[*keys[g.request_index][1], *g.response_ids], logprobs=[], reward=0.0,
-                     policy_version=g.policy_version, meta=state_meta[keys[g.request_index]])
-                for g in generations]
+        rows = [
+            dict(
+                uid=new_uid(),
+                group="mc",
+                prompt_ids=list(keys[g.request_index][0]),
+                response_ids=[*keys[g.request_index][1], *g.response_ids],
+                logprobs=[],
+                reward=0.0,
+                policy_version=g.policy_version,
+                meta=state_meta[keys[g.request_index]],
+            )
+            for g in generations
+        ]
         scores = ctx.score(make_experience(rows))
         returns: dict = {k: [] for k in keys}
         for g, score in zip(generations, scores):

@@ -10,6 +10,7 @@ one in-process backend, the baseline the concurrent pool is compared with.
     eval "$(bash .ci/setup_sandbox.sh)"   # or: set -a; source /tmp/rlsys-sandbox/env; set +a
     .venv/bin/python benchmarks/code_rl.py [trainer.steps=8 ...]
 """
+
 from __future__ import annotations
 
 import sys
@@ -24,12 +25,24 @@ from rlsys.cluster import init_ray  # noqa: E402  (before anything imports ray)
 
 WARMUP_PROBLEMS = [23, 53, 2, 28, 45, 27, 16, 34]  # HumanEval ids with short prompts and solutions
 SETTINGS = [
-    "model.hidden_size=64", "model.intermediate_size=192", "model.num_hidden_layers=2",
-    "model.max_position_embeddings=512", "model.vocab_size=512",
-    "sft.steps=100", "sft.batch_size=8", "sft.lr=0.003",
-    "rollout.max_new_tokens=32", "learner.lr=0.0001", "learner.epochs=2", "learner.minibatches=4",
-    "trainer.steps=10", "trainer.prompts_per_step=8", "trainer.eval_every=0",
-    "algorithm.samples_per_prompt=4", "algorithm.feedback_chars=300", "sandbox.workers=2",
+    "model.hidden_size=64",
+    "model.intermediate_size=192",
+    "model.num_hidden_layers=2",
+    "model.max_position_embeddings=512",
+    "model.vocab_size=512",
+    "sft.steps=100",
+    "sft.batch_size=8",
+    "sft.lr=0.003",
+    "rollout.max_new_tokens=32",
+    "learner.lr=0.0001",
+    "learner.epochs=2",
+    "learner.minibatches=4",
+    "trainer.steps=10",
+    "trainer.prompts_per_step=8",
+    "trainer.eval_every=0",
+    "algorithm.samples_per_prompt=4",
+    "algorithm.feedback_chars=300",
+    "sandbox.workers=2",
 ]
 
 
@@ -45,9 +58,12 @@ def fixed_seed_episodes(c, repeats: int = 2, seed: int = 777) -> dict[str, float
         metas = [m for _ in range(repeats) for m in meta_of(c.algorithm.rollout(c.ctx, c.stream.prompts))]
     finally:
         c.ctx.rng = rng
-    return {"episodes": len(metas), "private_pass": float(np.mean([bool(m["private_passed"]) for m in metas])),
-            "first_turn_pass": float(np.mean([len(m["answer_lengths"]) == 1 and bool(m["public_passed"]) for m in metas])),
-            "reward": float(np.mean([sum(m["turn_rewards"]) for m in metas]))}
+    return {
+        "episodes": len(metas),
+        "private_pass": float(np.mean([bool(m["private_passed"]) for m in metas])),
+        "first_turn_pass": float(np.mean([len(m["answer_lengths"]) == 1 and bool(m["public_passed"]) for m in metas])),
+        "reward": float(np.mean([sum(m["turn_rewards"]) for m in metas])),
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -62,8 +78,18 @@ def main(argv: list[str]) -> None:
     from rlsys.run.controller import Controller
     from sandbox import make_backend
 
-    cfg = load_config("configs/rlef.yaml", [*SETTINGS, *argv, "task.name=code", f"task.train_path={data}",
-                                            f"task.eval_path={data}", f"run.output_dir={out}", "run.name=code_rl"])
+    cfg = load_config(
+        "configs/rlef.yaml",
+        [
+            *SETTINGS,
+            *argv,
+            "task.name=code",
+            f"task.train_path={data}",
+            f"task.eval_path={data}",
+            f"run.output_dir={out}",
+            "run.name=code_rl",
+        ],
+    )
     c = Controller(cfg, out / "code_rl", progress=False)
     t0 = time.perf_counter()
     c.start_actors(c.prepare_policy())
@@ -85,28 +111,40 @@ def main(argv: list[str]) -> None:
     c.ctx.execute = execute
     after = fixed_seed_episodes(c)
 
-    print(f"RLEF on {len(WARMUP_PROBLEMS)} HumanEval warm-up problems ({', '.join(f'HumanEval/{i}' for i in WARMUP_PROBLEMS)}), "
-          f"{cfg.trainer.steps} steps x {cfg.trainer.prompts_per_step} prompts x "
-          f"{cfg.algorithm_params().get('samples_per_prompt', 1)} episodes, sandbox {cfg.sandbox.backend} x "
-          f"{cfg.sandbox.workers} workers; tokenizer + warm-up + actor start {setup_s:.0f} s")
-    print(f"{'step':>4}{'reward':>8}{'private':>9}{'public':>8}{'turns':>7}{'episodes/s':>12}{'step s':>8}"
-          f"{'sandbox s':>11}{'share':>7}{'runs':>6}")
+    print(
+        f"RLEF on {len(WARMUP_PROBLEMS)} HumanEval warm-up problems "
+        f"({', '.join(f'HumanEval/{i}' for i in WARMUP_PROBLEMS)}), "
+        f"{cfg.trainer.steps} steps x {cfg.trainer.prompts_per_step} prompts x "
+        f"{cfg.algorithm_params().get('samples_per_prompt', 1)} episodes, sandbox {cfg.sandbox.backend} x "
+        f"{cfg.sandbox.workers} workers; tokenizer + warm-up + actor start {setup_s:.0f} s"
+    )
+    print(
+        f"{'step':>4}{'reward':>8}{'private':>9}{'public':>8}{'turns':>7}{'episodes/s':>12}{'step s':>8}"
+        f"{'sandbox s':>11}{'share':>7}{'runs':>6}"
+    )
     for i, m in enumerate(steps, 1):
         sb = m.get("time/sandbox", 0.0)
-        print(f"{i:>4}{m['reward/mean']:>8.2f}{m['rlef/private_pass']:>9.2f}{m['rlef/public_pass']:>8.2f}"
-              f"{m['rlef/turns_mean']:>7.2f}{m['samples'] / m['time/step']:>12.2f}{m['time/step']:>8.1f}"
-              f"{sb:>11.2f}{sb / m['time/step']:>7.0%}{int(m.get('rlef/sandbox_runs', 0)):>6}")
+        print(
+            f"{i:>4}{m['reward/mean']:>8.2f}{m['rlef/private_pass']:>9.2f}{m['rlef/public_pass']:>8.2f}"
+            f"{m['rlef/turns_mean']:>7.2f}{m['samples'] / m['time/step']:>12.2f}{m['time/step']:>8.1f}"
+            f"{sb:>11.2f}{sb / m['time/step']:>7.0%}{int(m.get('rlef/sandbox_runs', 0)):>6}"
+        )
     total = sum(m["time/step"] for m in steps)
     sandbox = sum(m.get("time/sandbox", 0.0) for m in steps)
     episodes = sum(m["samples"] for m in steps)
     k = max(1, len(steps) // 3)
     first = sum(m["reward/mean"] for m in steps[:k]) / k
     last = sum(m["reward/mean"] for m in steps[-k:]) / k
-    print(f"episodes/s {episodes / total:.2f}; sandbox share of step time {sandbox / total:.1%}; "
-          f"turn counts {dict(sorted(turns.items()))}")
+    print(
+        f"episodes/s {episodes / total:.2f}; sandbox share of step time {sandbox / total:.1%}; "
+        f"turn counts {dict(sorted(turns.items()))}"
+    )
     print(f"reward, mean of the first {k} steps -> last {k}: {first:+.2f} -> {last:+.2f} ({last - first:+.2f})")
-    print(f"{after['episodes']} episodes at T={cfg.rollout.temperature:g} with the same seeds, after warm-up -> after RL: "
-          + ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in ("private_pass", "first_turn_pass", "reward")))
+    print(
+        f"{after['episodes']} episodes at T={cfg.rollout.temperature:g} with the same seeds, "
+        "after warm-up -> after RL: "
+        + ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in ("private_pass", "first_turn_pass", "reward"))
+    )
 
     if runs:
         t = time.perf_counter()
@@ -118,8 +156,10 @@ def main(argv: list[str]) -> None:
             backend.run(r)
         one_by_one = time.perf_counter() - t
         backend.close()
-        print(f"last step's {len(runs)} sandbox runs: pool of {cfg.sandbox.workers} (all at once) {pooled:.2f} s vs one "
-              f"at a time in-process {one_by_one:.2f} s: x{one_by_one / max(pooled, 1e-9):.2f}")
+        print(
+            f"last step's {len(runs)} sandbox runs: pool of {cfg.sandbox.workers} (all at once) {pooled:.2f} s vs one "
+            f"at a time in-process {one_by_one:.2f} s: x{one_by_one / max(pooled, 1e-9):.2f}"
+        )
     c.ctx.sandbox.close()
 
 

@@ -19,6 +19,7 @@ ones, averaged over seeds (each seed a fresh policy).
 
     .venv/bin/python benchmarks/credit_assignment.py      # ~1-2 min on one CPU thread
 """
+
 from __future__ import annotations
 
 import argparse
@@ -115,8 +116,13 @@ def train_critic(tokens, rets, starts, steps, seed, hidden=128, batch=512, lr=1e
     torch.manual_seed(seed)
     x = torch.tensor(np.concatenate([prefix_features(tokens, t) for t in starts]))
     y = torch.tensor(np.tile(rets, len(starts)), dtype=torch.float32)
-    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.Tanh(),
-                              torch.nn.Linear(hidden, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(x.shape[1], hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, 1),
+    )
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     gen = torch.Generator().manual_seed(seed)
@@ -156,7 +162,9 @@ def one_seed(kind, T, N, K, max_steps, critic_steps, seed) -> np.ndarray:
     extra = rollout(pi, 0, np.zeros(mc_episodes, dtype=np.int64), rng)  # same episode budget
     tokens = np.concatenate([trajs, extra])
     net = train_critic(tokens, returns_of(tokens, rewards), starts, critic_steps, seed)
-    return np.array([N + mc_episodes, *errors(mc, exact, rets), *errors(critic_values(net, trajs, starts), exact, rets)])
+    return np.array(
+        [N + mc_episodes, *errors(mc, exact, rets), *errors(critic_values(net, trajs, starts), exact, rets)]
+    )
 
 
 def main() -> None:
@@ -170,17 +178,28 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"random-walk token tree: T={args.depth} (3^{args.depth} leaves), N={args.trajectories} trajectories, "
-          f"<= {args.max_steps} value states each, {args.seeds} seeds; "
-          "critic / VinePPO > 1 means the MC values are the more accurate\n")
-    print("| reward | K | episodes (both) | value MSE VinePPO | value MSE critic | critic / VinePPO "
-          "| adv. MSE VinePPO | adv. MSE critic | critic / VinePPO |")
+    print(
+        f"random-walk token tree: T={args.depth} (3^{args.depth} leaves), N={args.trajectories} trajectories, "
+        f"<= {args.max_steps} value states each, {args.seeds} seeds; "
+        "critic / VinePPO > 1 means the MC values are the more accurate\n"
+    )
+    print(
+        "| reward | K | episodes (both) | value MSE VinePPO | value MSE critic | critic / VinePPO "
+        "| adv. MSE VinePPO | adv. MSE critic | critic / VinePPO |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind, K in [(kind, K) for kind in args.rewards for K in args.ks]:
-        r = np.mean([one_seed(kind, args.depth, args.trajectories, K, args.max_steps, args.critic_steps, s)
-                     for s in range(args.seeds)], 0)
-        print(f"| {kind} | {K} | {r[0]:.0f} | {r[1]:.4f} | {r[3]:.4f} | {r[3] / r[1]:.2f} "
-              f"| {r[2]:.4f} | {r[4]:.4f} | {r[4] / r[2]:.2f} |")
+        r = np.mean(
+            [
+                one_seed(kind, args.depth, args.trajectories, K, args.max_steps, args.critic_steps, s)
+                for s in range(args.seeds)
+            ],
+            0,
+        )
+        print(
+            f"| {kind} | {K} | {r[0]:.0f} | {r[1]:.4f} | {r[3]:.4f} | {r[3] / r[1]:.2f} "
+            f"| {r[2]:.4f} | {r[4]:.4f} | {r[4] / r[2]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

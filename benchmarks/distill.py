@@ -4,7 +4,8 @@ full-data KD student's final held-out loss (../shared/papers/dakd.md; goal: at m
 A tiny teacher is trained on the arithmetic task (SFT warm-up), then two identical smaller
 students are distilled with the same BDL loss, optimizer and batch size for E epochs: one on
 every sample each epoch (`schedule: full`), one with DA-KD's cosine keep ratio and stratified
-subset, and, as an ablation, one with the same schedule on random instead of DDS scores. Both go through the plug-in's own rollout -> prepare -> loss (algorithms/distill.py),
+subset, and, as an ablation, one with the same schedule on random instead of DDS scores.
+Both go through the plug-in's own rollout -> prepare -> loss (algorithms/distill.py),
 with the teacher and the live student served in-process. The held-out loss is the BDL of the
 student to the teacher over the eval split's answer tokens.
 
@@ -17,6 +18,7 @@ LMs that already match the teacher on part of the data. The figure of the issue 
 to target": the first held-out evaluation (every `--eval-every` steps and at the end) at which a
 student's BDL is at or below full-data KD's final held-out BDL.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.modeling import PolicyOnly, per_response_tokens  # noqa: E402
 from actors.reference import ReferenceWorker  # noqa: E402
-from rlsys.contract import ModelOutputs  # noqa: E402
 from algorithms.distill import DAKD, schedule_steps  # noqa: E402
 from envs.arithmetic import ArithmeticTask  # noqa: E402
+from rlsys.contract import ModelOutputs  # noqa: E402
 from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer  # noqa: E402
 
 
@@ -121,9 +123,12 @@ def distill(schedule: str, args, task, tok, teacher, eval_rows) -> tuple[list[tu
         if step % args.eval_every == 0 or step == steps:
             curve.append((samples, *heldout_loss(heldout, ctx, heldout_batch)))
     easy = np.array([single_digit(r) for r in task.rows("train")])
-    print(f"  {label:>6}: {steps} steps, {samples} sample-steps, {ctx.scored} scoring forwards, "
-          f"final held-out BDL {curve[-1][1]:.4f}, answer NLL {curve[-1][2]:.4f}, single-digit share of trained samples "
-          f"{easy[trained].mean():.3f} (of the data {easy.mean():.3f})", file=sys.stderr)
+    print(
+        f"  {label:>6}: {steps} steps, {samples} sample-steps, {ctx.scored} scoring forwards, "
+        f"final held-out BDL {curve[-1][1]:.4f}, answer NLL {curve[-1][2]:.4f}, single-digit share of trained samples "
+        f"{easy[trained].mean():.3f} (of the data {easy.mean():.3f})",
+        file=sys.stderr,
+    )
     return curve, accuracy(student.policy, task, tok, eval_rows)
 
 
@@ -150,7 +155,9 @@ def accuracy(model, task, tok, rows) -> float:
     from rlsys.generation import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
-    requests = [GenerationRequest(tok(task.prompt_text(r), add_special_tokens=False)["input_ids"], params) for r in rows]
+    requests = [
+        GenerationRequest(tok(task.prompt_text(r), add_special_tokens=False)["input_ids"], params) for r in rows
+    ]
     gens = HFBackend("", model=model.eval()).generate(requests)
     texts = tok.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
     return float(np.mean([task.is_correct(rows[g.request_index], t) for g, t in zip(gens, texts)]))
@@ -170,8 +177,10 @@ def with_easy_rows(task: ArithmeticTask, data_dir: Path, fraction: float, seed: 
         out = rows[: len(rows) - n_easy] + picked
         return [out[i] for i in rng.permutation(len(out))]
 
-    return ArithmeticTask(write_rows(mixed(task.rows("train")), data_dir / "train.parquet"),
-                          write_rows(mixed(task.rows("eval")), data_dir / "eval.parquet"))
+    return ArithmeticTask(
+        write_rows(mixed(task.rows("train")), data_dir / "train.parquet"),
+        write_rows(mixed(task.rows("eval")), data_dir / "eval.parquet"),
+    )
 
 
 def pretrain_rows(task: ArithmeticTask, which: str, seed: int) -> list[dict]:
@@ -195,8 +204,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-train", type=int, default=1024)
     p.add_argument("--num-eval", type=int, default=200)
     p.add_argument("--max-value", type=int, default=49)
-    p.add_argument("--easy-fraction", type=float, default=0.0,
-                   help="share of rows replaced by repeated single-digit sums (data of mixed difficulty)")
+    p.add_argument(
+        "--easy-fraction",
+        type=float,
+        default=0.0,
+        help="share of rows replaced by repeated single-digit sums (data of mixed difficulty)",
+    )
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -207,19 +220,30 @@ def main(argv=None) -> int:
     p.add_argument("--teacher", default="128,384,2", help="hidden,intermediate,layers of the teacher")
     p.add_argument("--student", default="48,144,2", help="hidden,intermediate,layers of the student")
     p.add_argument("--teacher-steps", type=int, default=1500)
-    p.add_argument("--student-pretrain-steps", "--student-sft-steps", dest="student_pretrain_steps", type=int,
-                   default=0, help="SFT steps of the student before distillation (the same start for all three arms)")
-    p.add_argument("--student-pretrain-data", choices=["train", "easy", "half"], default="train",
-                   help="what the student is pretrained on: every training row, the 100 single-digit sums, "
-                        "or a random half of the training rows")
+    p.add_argument(
+        "--student-pretrain-steps",
+        "--student-sft-steps",
+        dest="student_pretrain_steps",
+        type=int,
+        default=0,
+        help="SFT steps of the student before distillation (the same start for all three arms)",
+    )
+    p.add_argument(
+        "--student-pretrain-data",
+        choices=["train", "easy", "half"],
+        default="train",
+        help="what the student is pretrained on: every training row, the 100 single-digit sums, "
+        "or a random half of the training rows",
+    )
     p.add_argument("--eval-every", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--curves", action="store_true", help="print both held-out loss curves")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from algorithms.sft import warmup
     from transformers.utils import logging
+
+    from algorithms.sft import warmup
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
@@ -233,8 +257,9 @@ def main(argv=None) -> int:
 
     def spec(text):
         h, i, l = map(int, text.split(","))
-        return TinyModelSpec(hidden_size=h, intermediate_size=i, num_hidden_layers=l, num_attention_heads=4,
-                             num_key_value_heads=2)
+        return TinyModelSpec(
+            hidden_size=h, intermediate_size=i, num_hidden_layers=l, num_attention_heads=4, num_key_value_heads=2
+        )
 
     teacher_model = build_tiny_model(spec(args.teacher), tok, seed=args.seed + 1)
     losses = warmup(teacher_model, tok, task, task.rows("train"), args.teacher_steps, 32, 3e-3, args.seed)
@@ -242,50 +267,80 @@ def main(argv=None) -> int:
     student_model = build_tiny_model(spec(args.student), tok, seed=args.seed + 2)
     pretrain_losses = []
     if args.student_pretrain_steps:  # the paper's students start pretrained: SFT on (part of) the task
-        pretrain_losses = warmup(student_model, tok, task, pretrain_rows(task, args.student_pretrain_data, args.seed),
-                                 args.student_pretrain_steps, 32, 3e-3, args.seed + 3)
+        pretrain_losses = warmup(
+            student_model,
+            tok,
+            task,
+            pretrain_rows(task, args.student_pretrain_data, args.seed),
+            args.student_pretrain_steps,
+            32,
+            3e-3,
+            args.seed + 3,
+        )
     args.student_dir = save_model_dir(student_model, tok, root / "student")
     teacher = ReferenceWorker(str(teacher_dir), threads=args.threads)
-    print(f"teacher {args.teacher} trained {args.teacher_steps} steps (SFT loss {np.mean(losses[-20:]):.3f}) "
-          f"in {time.perf_counter() - t0:.0f} s; student {args.student}"
-          + (f" pretrained {args.student_pretrain_steps} SFT steps on '{args.student_pretrain_data}' rows "
-             f"(SFT loss {np.mean(pretrain_losses[-20:]):.3f})" if pretrain_losses else " from random init"),
-          file=sys.stderr)
+    print(
+        f"teacher {args.teacher} trained {args.teacher_steps} steps (SFT loss {np.mean(losses[-20:]):.3f}) "
+        f"in {time.perf_counter() - t0:.0f} s; student {args.student}"
+        + (
+            f" pretrained {args.student_pretrain_steps} SFT steps on '{args.student_pretrain_data}' rows "
+            f"(SFT loss {np.mean(pretrain_losses[-20:]):.3f})"
+            if pretrain_losses
+            else " from random init"
+        ),
+        file=sys.stderr,
+    )
     eval_rows = task.rows("eval")
     (full, full_acc), (dakd, dakd_acc), (rand, rand_acc), (kd, kd_acc) = (
-        distill(s, args, task, tok, teacher, eval_rows) for s in ("full", "cosine", "random", "kd"))
+        distill(s, args, task, tok, teacher, eval_rows) for s in ("full", "cosine", "random", "kd")
+    )
     teacher_acc = accuracy(teacher.model, task, tok, eval_rows)
     target = full[-1][1]
     full_total, full_reach = full[-1][0], first_reaching(full, target)
     dakd_reach, rand_reach = first_reaching(dakd, target), first_reaching(rand, target)
-    print(f"\nDA-KD vs full-data KD, {args.epochs} epochs of {args.num_train} samples, batch {args.batch}, "
-          f"BDL lambda {args.lam}, tau {args.tau}; target = full-data KD's final held-out BDL {target:.4f}")
+    print(
+        f"\nDA-KD vs full-data KD, {args.epochs} epochs of {args.num_train} samples, batch {args.batch}, "
+        f"BDL lambda {args.lam}, tau {args.tau}; target = full-data KD's final held-out BDL {target:.4f}"
+    )
     print(f"{'':24}{'full-data KD':>14}{'DA-KD':>10}{'random subset':>15}")
     print(f"{'held-out BDL at start':24}{full[0][1]:>14.4f}{dakd[0][1]:>10.4f}{rand[0][1]:>15.4f}")
     print(f"{'sample-steps in total':24}{full_total:>14}{dakd[-1][0]:>10}{rand[-1][0]:>15}")
     print(f"{'final held-out BDL':24}{target:>14.4f}{dakd[-1][1]:>10.4f}{rand[-1][1]:>15.4f}")
     budget = next((point[1] for point in full if point[0] >= dakd[-1][0]), full[-1][1])
-    print(f"{'BDL at DA-KD budget':24}{budget:>14.4f}{dakd[-1][1]:>10.4f}   (full-data KD after {dakd[-1][0]} sample-steps)")
+    print(
+        f"{'BDL at DA-KD budget':24}{budget:>14.4f}{dakd[-1][1]:>10.4f}   "
+        f"(full-data KD after {dakd[-1][0]} sample-steps)"
+    )
     print(f"{'held-out accuracy':24}{full_acc:>14.3f}{dakd_acc:>10.3f}{rand_acc:>15.3f}   (teacher {teacher_acc:.3f})")
     never = lambda x: "never" if x is None else x  # noqa: E731
-    print(f"{'sample-steps to target':24}{full_reach:>14}{never(dakd_reach):>10}{never(rand_reach):>15}"
-          f"   (held-out BDL every {args.eval_every} steps)")
+    print(
+        f"{'sample-steps to target':24}{full_reach:>14}{never(dakd_reach):>10}{never(rand_reach):>15}"
+        f"   (held-out BDL every {args.eval_every} steps)"
+    )
     ratio = lambda x: "never" if x is None else f"{x / full_total:.3f}"  # noqa: E731
     print(f"{'ratio to full-data KD':24}{1.0:>14.3f}{ratio(dakd_reach):>10}{ratio(rand_reach):>15}   (goal <= 0.5)")
     # the paper's comparison: its KD baseline trains on forward KL, DA-KD on BDL, so the two are
     # compared on what neither trains on, the held-out NLL of the ground-truth answers
     nll_target = kd[-1][2]
-    reach = {name: first_reaching(curve, nll_target, column=2) for name, curve in
-             (("kd", kd), ("full", full), ("dakd", dakd), ("random", rand))}
-    print(f"\nvs the paper's KD baseline (forward KL on all data, {kd[-1][0]} sample-steps); "
-          f"target = its final held-out answer NLL {nll_target:.4f}")
+    reach = {
+        name: first_reaching(curve, nll_target, column=2)
+        for name, curve in (("kd", kd), ("full", full), ("dakd", dakd), ("random", rand))
+    }
+    print(
+        f"\nvs the paper's KD baseline (forward KL on all data, {kd[-1][0]} sample-steps); "
+        f"target = its final held-out answer NLL {nll_target:.4f}"
+    )
     print(f"{'':24}{'KD (fwd KL)':>14}{'full BDL':>10}{'DA-KD':>10}{'random subset':>15}")
     print(f"{'final answer NLL':24}{kd[-1][2]:>14.4f}{full[-1][2]:>10.4f}{dakd[-1][2]:>10.4f}{rand[-1][2]:>15.4f}")
     print(f"{'held-out accuracy':24}{kd_acc:>14.3f}{full_acc:>10.3f}{dakd_acc:>10.3f}{rand_acc:>15.3f}")
-    print(f"{'sample-steps to target':24}{never(reach['kd']):>14}{never(reach['full']):>10}{never(reach['dakd']):>10}"
-          f"{never(reach['random']):>15}")
-    print(f"{'ratio to KD':24}{ratio(reach['kd']):>14}{ratio(reach['full']):>10}{ratio(reach['dakd']):>10}"
-          f"{ratio(reach['random']):>15}   (goal <= 0.5)")
+    print(
+        f"{'sample-steps to target':24}{never(reach['kd']):>14}{never(reach['full']):>10}{never(reach['dakd']):>10}"
+        f"{never(reach['random']):>15}"
+    )
+    print(
+        f"{'ratio to KD':24}{ratio(reach['kd']):>14}{ratio(reach['full']):>10}{ratio(reach['dakd']):>10}"
+        f"{ratio(reach['random']):>15}   (goal <= 0.5)"
+    )
     if args.curves:
         for name, curve in (("full", full), ("DA-KD", dakd), ("random", rand), ("KD", kd)):
             print(f"{name:>6} curve: " + " ".join(f"{point[0]}:{point[1]:.3f}/{point[2]:.3f}" for point in curve))

@@ -18,6 +18,7 @@ and exits 0. On CUDA it runs, each side by side with a baseline in the same run:
 The policy is the quickstart's model family (tiny Qwen2 + BPE tokenizer from the task,
 no SFT), sized up by --hidden/--layers on CUDA. Needs no Ray (the GPU image has none).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,12 +90,19 @@ class Check:
         self.args, self.cuda = args, not args.cpu
         self.device = "cuda" if self.cuda else "cpu"
         out = Path(tempfile.mkdtemp(prefix="rlsys-gpu-check-"))
-        size = [f"model.hidden_size={args.hidden}", f"model.intermediate_size={args.hidden * 3}",
-                f"model.num_hidden_layers={args.layers}", f"model.num_attention_heads={max(2, args.hidden // 64)}",
-                f"model.num_key_value_heads={max(1, args.hidden // 256)}", "model.max_position_embeddings=512",
-                "model.vocab_size=1024"]
-        self.cfg = load_config(ROOT / "configs" / "quickstart.yaml",
-                               [f"run.output_dir={out}", "run.name=gpu", "sft.steps=0", "algorithm.kl_coef=0", *size])
+        size = [
+            f"model.hidden_size={args.hidden}",
+            f"model.intermediate_size={args.hidden * 3}",
+            f"model.num_hidden_layers={args.layers}",
+            f"model.num_attention_heads={max(2, args.hidden // 64)}",
+            f"model.num_key_value_heads={max(1, args.hidden // 256)}",
+            "model.max_position_embeddings=512",
+            "model.vocab_size=1024",
+        ]
+        self.cfg = load_config(
+            ROOT / "configs" / "quickstart.yaml",
+            [f"run.output_dir={out}", "run.name=gpu", "sft.steps=0", "algorithm.kl_coef=0", *size],
+        )
         # the policy as Controller.prepare_policy builds it (no SFT), without Ray: the GPU image has none
         self.algorithm = build_algorithm(self.cfg)
         self.task = make_task(self.cfg.task, out / "data", self.cfg.run.seed)
@@ -102,12 +110,16 @@ class Check:
         model = build_tiny_model(TinyModelSpec.from_config(self.cfg.model), self.tok, seed=self.cfg.run.seed)
         self.policy_dir = str(out / "policy")
         save_model_dir(model, self.tok, self.policy_dir)
-        self.prompts = [self.tok(self.task.prompt_text(r), add_special_tokens=False)["input_ids"]
-                        for r in self.task.rows("train")]
+        self.prompts = [
+            self.tok(self.task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.task.rows("train")
+        ]
         self.rows: list[tuple[str, str, str, str]] = []
         params = sum(p.numel() for p in model.parameters()) / 1e6
-        print(f"gpu_check: {torch.cuda.get_device_name(0) if self.cuda else 'cpu'}, {torch.cuda.device_count()} GPU(s), "
-              f"torch {torch.__version__}, policy {params:.0f}M parameters", file=sys.stderr)
+        print(
+            f"gpu_check: {torch.cuda.get_device_name(0) if self.cuda else 'cpu'}, {torch.cuda.device_count()} GPU(s), "
+            f"torch {torch.__version__}, policy {params:.0f}M parameters",
+            file=sys.stderr,
+        )
 
     def add(self, figure: str, measured: str, baseline: str, ratio: str) -> None:
         self.rows.append((figure, measured, baseline, ratio))
@@ -116,7 +128,9 @@ class Check:
     def requests(self, batch: int, new: int, temperature: float = 1.0):
         from rlsys.generation import GenerationRequest, SamplingParams
 
-        params = SamplingParams(max_new_tokens=new, temperature=temperature, seed=0, stop_token_ids=(self.tok.eos_token_id,))
+        params = SamplingParams(
+            max_new_tokens=new, temperature=temperature, seed=0, stop_token_ids=(self.tok.eos_token_id,)
+        )
         return [GenerationRequest(list(self.prompts[i % len(self.prompts)]), params) for i in range(batch)]
 
     # ---- 1. transformers backend on the GPU ----------------------------------------------
@@ -128,8 +142,12 @@ class Check:
         cpu_batch = min(batch, 32)  # the CPU baseline on fewer sequences: tokens/s, not wall time, is compared
         gpu_rate = tokens_per_s(gpu, self.requests(batch, new), self.args.reps)
         cpu_rate = tokens_per_s(cpu, self.requests(cpu_batch, new), 1)
-        self.add(f"hf backend tokens/s, {self.device} batch {batch} vs cpu batch {cpu_batch} (<= {new} new)",
-                 f"{gpu_rate:.0f}", f"{cpu_rate:.0f}", f"{gpu_rate / cpu_rate:.1f}x")
+        self.add(
+            f"hf backend tokens/s, {self.device} batch {batch} vs cpu batch {cpu_batch} (<= {new} new)",
+            f"{gpu_rate:.0f}",
+            f"{cpu_rate:.0f}",
+            f"{gpu_rate / cpu_rate:.1f}x",
+        )
         self.hf = gpu
         self.lean_vs_generate(gpu, batch, new)
         return gpu
@@ -143,13 +161,21 @@ class Check:
         greedy = self.requests(min(batch, 64), min(new, 32), temperature=0.0)
         a, b = lean.generate(greedy), plain.generate(greedy)
         same = sum(x.response_ids == y.response_ids for x, y in zip(a, b))
-        assert same >= 0.9 * len(a), f"lean decode's greedy tokens differ from generate's in {len(a) - same} of {len(a)} rows"
-        worst = max(abs(p - q) for x, y in zip(a, b) if x.response_ids == y.response_ids for p, q in zip(x.logprobs, y.logprobs))
+        assert same >= 0.9 * len(a), (
+            f"lean decode's greedy tokens differ from generate's in {len(a) - same} of {len(a)} rows"
+        )
+        worst = max(
+            abs(p - q) for x, y in zip(a, b) if x.response_ids == y.response_ids for p, q in zip(x.logprobs, y.logprobs)
+        )
         reqs = self.requests(batch, new)
         lean_rate, plain_rate = tokens_per_s(lean, reqs, self.args.reps), tokens_per_s(plain, reqs, self.args.reps)
-        self.add(f"lean decode vs model.generate tokens/s on {self.device} (batch {batch}, <= {new} new; greedy rows "
-                 f"identical {same}/{len(a)}, max logprob gap {worst:.1e})", f"{lean_rate:.0f}", f"{plain_rate:.0f}",
-                 f"{lean_rate / plain_rate:.2f}x")
+        self.add(
+            f"lean decode vs model.generate tokens/s on {self.device} (batch {batch}, <= {new} new; greedy rows "
+            f"identical {same}/{len(a)}, max logprob gap {worst:.1e})",
+            f"{lean_rate:.0f}",
+            f"{plain_rate:.0f}",
+            f"{lean_rate / plain_rate:.2f}x",
+        )
 
     # ---- 2. learner on CUDA ----------------------------------------------------------------
 
@@ -164,8 +190,16 @@ class Check:
 
         l = self.cfg.learner
         batch = train_batch(self.algorithm, gens)
-        make = lambda stage, bf16: Learner(self.policy_dir, self.algorithm, lr=l.lr, grad_clip=l.grad_clip,
-                                           zero_stage=stage, bf16=bf16, threads=4, master_port=free_port())
+        make = lambda stage, bf16: Learner(
+            self.policy_dir,
+            self.algorithm,
+            lr=l.lr,
+            grad_clip=l.grad_clip,
+            zero_stage=stage,
+            bf16=bf16,
+            threads=4,
+            master_port=free_port(),
+        )
         base = make(0, False)
         initial = {k: a.copy() for k, a in base.weights().items()}  # weights() may be views of the live tensors
         t_base = timed(lambda: (base.train_step(batch), _sync()), self.args.reps)
@@ -179,10 +213,13 @@ class Check:
             update = np.concatenate([(a - initial[k]).ravel() for k, a in weights.items()])
             cosine = float(update @ base_update / (np.linalg.norm(update) * np.linalg.norm(base_update)))
             label = f"{'bf16' if self.cuda else 'fp32'} ZeRO-{stage}"
-            self.add(f"learner step ms, {label} vs fp32 ZeRO-0 on {self.device} (batch {len(batch)}, "
-                     f"{batch.input_ids.shape[1]} tokens; update cosine vs fp32 {cosine:.3f})",
-                     f"{t_fast * 1e3:.1f} ({batch.num_tokens() / t_fast:.0f} resp tok/s)",
-                     f"{t_base * 1e3:.1f}", f"{t_base / t_fast:.2f}x")
+            self.add(
+                f"learner step ms, {label} vs fp32 ZeRO-0 on {self.device} (batch {len(batch)}, "
+                f"{batch.input_ids.shape[1]} tokens; update cosine vs fp32 {cosine:.3f})",
+                f"{t_fast * 1e3:.1f} ({batch.num_tokens() / t_fast:.0f} resp tok/s)",
+                f"{t_base * 1e3:.1f}",
+                f"{t_base / t_fast:.2f}x",
+            )
             if stage == 2:
                 self.learner_ = fast  # the config's learner (configs/gpu.yaml) does the handoff and broadcast
         return self.learner_
@@ -194,8 +231,12 @@ class Check:
         mb = sum(a.nbytes for a in state.values()) / 2**20
         t_get = timed(self.learner_.weights, self.args.reps)
         t_load = timed(lambda: self.hf.load_weights(state), self.args.reps)
-        self.add(f"handoff ms ({mb:.0f} MB fp32): learner.weights() + hf load_weights on {self.device}",
-                 f"{(t_get + t_load) * 1e3:.1f}", f"weights() {t_get * 1e3:.1f}", f"{mb / (t_get + t_load):.0f} MB/s")
+        self.add(
+            f"handoff ms ({mb:.0f} MB fp32): learner.weights() + hf load_weights on {self.device}",
+            f"{(t_get + t_load) * 1e3:.1f}",
+            f"weights() {t_get * 1e3:.1f}",
+            f"{mb / (t_get + t_load):.0f} MB/s",
+        )
 
     def shared_memory(self):
         """trainer.weight_sync=shared_memory minus Ray: the learner writes a slot of its /dev/shm file
@@ -212,14 +253,19 @@ class Check:
         t_load = timed(lambda: (self.hf.load_weights(reader.arrays(0)), _sync()), self.args.reps)
         expected = self.learner_.weights()
         got = {k: v.detach().float().cpu().numpy() for k, v in self.hf.model.state_dict().items()}
-        assert all(np.array_equal(got[k], expected[k].astype(np.float32)) for k in expected if k in got), \
+        assert all(np.array_equal(got[k], expected[k].astype(np.float32)) for k in expected if k in got), (
             "the backend's weights differ from the learner's after the shared-memory load"
+        )
         self.learner_.close_shared()
         mb = layout.file_bytes / 2 / 2**20
         dtypes = "/".join(sorted({dtype for _, _, dtype, _ in layout.entries}))
-        self.add(f"shared-memory sync ms ({mb:.0f} MB {dtypes} slot): learner {self.learner_.device} write_shared + hf "
-                 f"load_weights on {self.device}, weights equal", f"{(t_write + t_load) * 1e3:.1f}",
-                 f"write {t_write * 1e3:.1f}", f"{mb / (t_write + t_load):.0f} MB/s")
+        self.add(
+            f"shared-memory sync ms ({mb:.0f} MB {dtypes} slot): learner {self.learner_.device} write_shared + hf "
+            f"load_weights on {self.device}, weights equal",
+            f"{(t_write + t_load) * 1e3:.1f}",
+            f"write {t_write * 1e3:.1f}",
+            f"{mb / (t_write + t_load):.0f} MB/s",
+        )
 
     def broadcast(self, backend: str, receiver_device: str):
         from rlsys.cluster import free_port
@@ -247,8 +293,13 @@ class Check:
             expected = [tensor_hash(t) for t in policy.state_dict().values()]
         assert kind == "hashes" and hashes == expected, "broadcast weights are not bit-identical"
         dtype = next(iter(manifest)).dtype
-        self.add(f"broadcast sync ms, {backend} {learner.device} -> {receiver_device} ({sent / 2**20:.0f} MB {dtype}, "
-                 f"bit-identical, version {versions[-1]})", f"{per_sync * 1e3:.1f}", "-", f"{sent / 2**20 / per_sync:.0f} MB/s")
+        self.add(
+            f"broadcast sync ms, {backend} {learner.device} -> {receiver_device} ({sent / 2**20:.0f} MB {dtype}, "
+            f"bit-identical, version {versions[-1]})",
+            f"{per_sync * 1e3:.1f}",
+            "-",
+            f"{sent / 2**20 / per_sync:.0f} MB/s",
+        )
 
     # ---- 4. vLLM ------------------------------------------------------------------------------
     def vllm(self, batch: int, new: int):
@@ -263,8 +314,12 @@ class Check:
         reqs = self.requests(batch, new)
         vllm_rate = tokens_per_s(backend, reqs, self.args.reps)
         hf_rate = tokens_per_s(self.hf, reqs, self.args.reps)
-        self.add(f"vllm tokens/s vs hf backend on GPU (batch {batch}, <= {new} new)", f"{vllm_rate:.0f}",
-                 f"{hf_rate:.0f}", f"{vllm_rate / hf_rate:.1f}x")
+        self.add(
+            f"vllm tokens/s vs hf backend on GPU (batch {batch}, <= {new} new)",
+            f"{vllm_rate:.0f}",
+            f"{hf_rate:.0f}",
+            f"{vllm_rate / hf_rate:.1f}x",
+        )
         state = self.learner_.weights()
         t_load = timed(lambda: backend.load_weights(state), self.args.reps)
         self.add("vllm load_weights ms (collective_rpc + reset_prefix_cache)", f"{t_load * 1e3:.1f}", "-", "-")
@@ -276,8 +331,12 @@ class Check:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="run the same paths on CPU (plumbing check, not a measurement)")
-    parser.add_argument("--hidden", type=int, default=None, help="model hidden size (default 1024 on CUDA, 64 with --cpu)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="run the same paths on CPU (plumbing check, not a measurement)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="model hidden size (default 1024 on CUDA, 64 with --cpu)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="layers (default 12 on CUDA, 2 with --cpu)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per generate (default 256 / 8)")
     parser.add_argument("--new", type=int, default=None, help="max new tokens (default 128 / 8)")
@@ -304,8 +363,12 @@ def main(argv: list[str]) -> int:
     if cuda and torch.cuda.device_count() >= 2:
         check.broadcast("nccl", "cuda:1")
     else:
-        check.add("broadcast sync, nccl", "not measured", "-",
-                  "needs 2 GPUs (NCCL cannot place two ranks on one GPU)" if cuda else "no CUDA (--cpu)")
+        check.add(
+            "broadcast sync, nccl",
+            "not measured",
+            "-",
+            "needs 2 GPUs (NCCL cannot place two ranks on one GPU)" if cuda else "no CUDA (--cpu)",
+        )
     if cuda:
         check.vllm(batch, new)
     print(check.table())

@@ -12,11 +12,13 @@ generated in a decode step has to be retrieved from far back, past the recent wi
 Prints one markdown table, the full cache first (same run, same prompts): fast-tier bytes
 (the low-bit copy, the recent window and the prefetched top-k; all layers, whole batch),
 compression vs the full cache, greedy agreement with the full cache (position-wise, and the
-mean common prefix as a share of the new tokens), needle answers (correct/total answers after the query marks the model generated),
+mean common prefix as a share of the new tokens), needle answers
+(correct/total answers after the query marks the model generated),
 how often the speculative token equalled the real next token, the share of prefetches
 complete when their layer needed them, and tokens/s (generated tokens of the whole batch
 per second of generate, prefill included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +62,9 @@ class Language:
     def make(cls, words: list[str], n_needles: int = 32, n_asking: int = 16, seed: int = 0) -> "Language":
         rng = random.Random(seed)
         haystack, needles = words[n_needles:], words[:n_needles]
-        return cls(haystack, needles, set(rng.sample(haystack, n_asking)), {w: rng.sample(haystack, 4) for w in haystack})
+        return cls(
+            haystack, needles, set(rng.sample(haystack, n_asking)), {w: rng.sample(haystack, 4) for w in haystack}
+        )
 
     def document(self, rng: random.Random, n_words: int) -> tuple[list[str], str | None]:
         """About `n_words` words and the needle that answers a query at the end."""
@@ -95,14 +99,22 @@ def train(args, lang: Language):
     vocab = lang.haystack + lang.needles + [QUERY]
     tok = train_tokenizer([" " + " ".join(vocab)] * 8, vocab_size=1024)
     assert all(len(tok(" " + w)["input_ids"]) == 1 for w in vocab), "every word must be one token"
-    spec = TinyModelSpec(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    spec = TinyModelSpec(
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     model = build_tiny_model(spec, tok, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     query_id = tok.convert_tokens_to_ids("Ġ" + QUERY)
     start, step, losses, hits = time.perf_counter(), 0, [], []
     while time.perf_counter() - start < args.train_seconds:
-        x = torch.tensor([encode(tok, lang.document(rng, args.train_len)[0])[: args.train_len] for _ in range(args.train_batch)])
+        x = torch.tensor(
+            [encode(tok, lang.document(rng, args.train_len)[0])[: args.train_len] for _ in range(args.train_batch)]
+        )
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 50)
         out = model(input_ids=x, labels=x)
@@ -114,11 +126,20 @@ def train(args, lang: Language):
         losses.append(out.loss.item())
         step += 1
         if step % 50 == 0:
-            print(f"train step {step} ({time.perf_counter() - start:.0f}s) loss {sum(losses[-50:]) / 50:.3f} "
-                  f"needle acc {sum(hits[-50:]) / 50:.3f}", flush=True)
+            print(
+                f"train step {step} ({time.perf_counter() - start:.0f}s) loss {sum(losses[-50:]) / 50:.3f} "
+                f"needle acc {sum(hits[-50:]) / 50:.3f}",
+                flush=True,
+            )
     model.eval()
-    info = {"steps": step, "seconds": round(time.perf_counter() - start), "final_loss": round(sum(losses[-50:]) / min(50, len(losses)), 3),
-            "needle_acc": round(sum(hits[-50:]) / min(50, len(hits)), 3), "train_len": args.train_len, "hidden": args.hidden}
+    info = {
+        "steps": step,
+        "seconds": round(time.perf_counter() - start),
+        "final_loss": round(sum(losses[-50:]) / min(50, len(losses)), 3),
+        "needle_acc": round(sum(hits[-50:]) / min(50, len(hits)), 3),
+        "train_len": args.train_len,
+        "hidden": args.hidden,
+    }
     save_model_dir(model, tok, args.model_dir)
     (Path(args.model_dir) / "training.json").write_text(json.dumps(info))
     return model, tok, info
@@ -147,13 +168,23 @@ def needle_accuracy(tok, lang: Language, new: torch.Tensor, needles: list[str]) 
     return f"{hits}/{total}"
 
 
-def row(name: str, new: torch.Tensor, full_new: torch.Tensor, seconds: float, fast_bytes: int, full_bytes: int,
-        needle_acc: str, stats: SpeCacheStats | None) -> str:
+def row(
+    name: str,
+    new: torch.Tensor,
+    full_new: torch.Tensor,
+    seconds: float,
+    fast_bytes: int,
+    full_bytes: int,
+    needle_acc: str,
+    stats: SpeCacheStats | None,
+) -> str:
     same = new == full_new
     prefix = same.long().cumprod(1).sum(1).float().mean().item() / new.shape[1]
     spec = f"{stats.spec_accuracy:.3f} | {stats.fetch_overlap:.2f}" if stats is not None else "- | -"
-    return (f"| {name} | {fast_bytes / 2**20:.2f} | {full_bytes / fast_bytes:.1f}x | {same.float().mean().item():.3f} "
-            f"| {prefix:.3f} | {needle_acc} | {spec} | {new.numel() / seconds:.0f} |")
+    return (
+        f"| {name} | {fast_bytes / 2**20:.2f} | {full_bytes / fast_bytes:.1f}x | {same.float().mean().item():.3f} "
+        f"| {prefix:.3f} | {needle_acc} | {spec} | {new.numel() / seconds:.0f} |"
+    )
 
 
 def main():
@@ -195,19 +226,46 @@ def main():
         ("specache 1-bit, k=16, w=8", 1, 16, 8),
         ("low-bit only: 1-bit, k=0, w=8", 1, 0, 8),
     ]
-    print(f"\nmodel: 2 layers, hidden {info['hidden']}, 4 heads / 2 KV heads, trained {info['steps']} steps "
-          f"({info['seconds']}s, loss {info['final_loss']}, train needle acc {info['needle_acc']}); batch {args.batch}, "
-          f"prompts of {prompt_len} slots (left-padded), {args.new_tokens} new tokens, greedy, {args.threads} thread(s)\n")
-    print("| cache | fast tier MiB | compression | token agreement | common prefix | needle answers | spec-token acc | prefetch ready | tokens/s |")
+    print(
+        f"\nmodel: 2 layers, hidden {info['hidden']}, 4 heads / 2 KV heads, trained {info['steps']} steps "
+        f"({info['seconds']}s, loss {info['final_loss']}, train needle acc {info['needle_acc']}); batch {args.batch}, "
+        f"prompts of {prompt_len} slots (left-padded), {args.new_tokens} new tokens, greedy, {args.threads} thread(s)\n"
+    )
+    print(
+        "| cache | fast tier MiB | compression | token agreement | common prefix | needle answers "
+        "| spec-token acc | prefetch ready | tokens/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
-    print(row("full cache (DynamicCache)", full_new, full_new, full_seconds, full_bytes, full_bytes,
-              needle_accuracy(tok, lang, full_new, needles), None), flush=True)
+    print(
+        row(
+            "full cache (DynamicCache)",
+            full_new,
+            full_new,
+            full_seconds,
+            full_bytes,
+            full_bytes,
+            needle_accuracy(tok, lang, full_new, needles),
+            None,
+        ),
+        flush=True,
+    )
     for name, bits, k, window in configs:
         start = time.perf_counter()
         seq, _, stats = specache_generate(model, input_ids, mask, k=k, bits=bits, window=window, **common)
         new = seq[:, prompt_len:]
-        print(row(name, new, full_new, time.perf_counter() - start, stats.fast_tier_bytes, full_bytes,
-                  needle_accuracy(tok, lang, new, needles), stats), flush=True)
+        print(
+            row(
+                name,
+                new,
+                full_new,
+                time.perf_counter() - start,
+                stats.fast_tier_bytes,
+                full_bytes,
+                needle_accuracy(tok, lang, new, needles),
+                stats,
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ rollout temperature (pass@1), then samples/s of every phase of a step.
     .venv/bin/python benchmarks/learning.py                       # configs/quickstart.yaml
     .venv/bin/python benchmarks/learning.py configs/quickstart.yaml algorithm.name=rloo
 """
+
 from __future__ import annotations
 
 import sys
@@ -42,8 +43,10 @@ def main(argv: list[str]) -> None:
     rl_s = time.perf_counter() - t1
     after = {"greedy": c.evaluate(greedy=True)["accuracy"], "sampled": c.evaluate(greedy=False)["accuracy"]}
 
-    print(f"{config} {' '.join(overrides)}: {cfg.algorithm.name}, {cfg.trainer.steps} steps, "
-          f"{cfg.trainer.prompts_per_step} prompts/step, warm-up + actor start {warmup_s:.0f} s, RL {rl_s:.0f} s")
+    print(
+        f"{config} {' '.join(overrides)}: {cfg.algorithm.name}, {cfg.trainer.steps} steps, "
+        f"{cfg.trainer.prompts_per_step} prompts/step, warm-up + actor start {warmup_s:.0f} s, RL {rl_s:.0f} s"
+    )
     print(f"{'held-out accuracy':<28}{'after warm-up':>14}{'after RL':>10}{'change':>9}")
     for k in ("greedy", "sampled"):
         label = "greedy" if k == "greedy" else f"pass@1 at T={cfg.rollout.temperature:g}"

@@ -20,6 +20,7 @@ samples eos in a few rows, which rlsys stops, so rlsys is counted by the tokens 
 Every timing is the median of interleaved repeats after one warm-up each; torch uses one
 thread in the driver and in every actor.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,19 @@ def train_batch(algorithm, gens):
 
     rng = np.random.default_rng(0)
     rewards = np.concatenate([rng.permutation([0.0, 0.0, 1.0, 1.0]) for _ in range(0, len(gens), 4)])
-    rows = [dict(uid=new_uid(), group=str(i // 4), prompt_ids=g.prompt_ids, response_ids=g.response_ids,
-                 logprobs=g.logprobs, reward=float(rewards[i]), policy_version=0, meta={})
-            for i, g in enumerate(gens)]
+    rows = [
+        dict(
+            uid=new_uid(),
+            group=str(i // 4),
+            prompt_ids=g.prompt_ids,
+            response_ids=g.response_ids,
+            logprobs=g.logprobs,
+            reward=float(rewards[i]),
+            policy_version=0,
+            meta={},
+        )
+        for i, g in enumerate(gens)
+    ]
     return algorithm.prepare(make_experience(rows))
 
 
@@ -85,24 +96,29 @@ class Bench:
         torch.set_num_threads(1)
         self.reps = reps
         out = Path(tempfile.mkdtemp(prefix="rlsys-bench-perf-"))
-        self.cfg = load_config(QUICKSTART, [f"run.output_dir={out}", "run.name=perf", "sft.steps=0",
-                                                            "algorithm.kl_coef=0"])
+        self.cfg = load_config(
+            QUICKSTART, [f"run.output_dir={out}", "run.name=perf", "sft.steps=0", "algorithm.kl_coef=0"]
+        )
         self.controller = Controller(self.cfg, out / "perf", progress=False)
         self.policy_dir = str(self.controller.prepare_policy())
         self.task, self.tok = self.controller.task, self.controller.tokenizer
-        self.prompts = [self.tok(self.task.prompt_text(r), add_special_tokens=False)["input_ids"]
-                        for r in self.task.rows("train")]
+        self.prompts = [
+            self.tok(self.task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.task.rows("train")
+        ]
         self.rows: list[tuple[str, str, str, str, str]] = []
 
     def add(self, figure: str, rlsys: str, baseline: str, ratio: float, goal: str) -> None:
         self.rows.append((figure, rlsys, baseline, f"{ratio:.2f}x", goal))
-        print(f"  {figure}: rlsys {rlsys} | baseline {baseline} | {ratio:.2f}x (goal {goal})", file=sys.stderr, flush=True)
+        print(
+            f"  {figure}: rlsys {rlsys} | baseline {baseline} | {ratio:.2f}x (goal {goal})", file=sys.stderr, flush=True
+        )
 
     def requests(self, batch: int, new_tokens: int, seed: int = 0):
         from rlsys.generation import GenerationRequest, SamplingParams
 
-        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed,
-                                stop_token_ids=(self.tok.eos_token_id,))
+        params = SamplingParams(
+            max_new_tokens=new_tokens, temperature=1.0, seed=seed, stop_token_ids=(self.tok.eos_token_id,)
+        )
         return [GenerationRequest(list(p), params) for p in self.prompts[:batch]]
 
     # ---- 1. rollout -------------------------------------------------------------------
@@ -140,7 +156,8 @@ class Bench:
                 first[:, eos] -= mid
                 lo, hi = (mid, hi) if p < stop_rate else (lo, mid)
             model.lm_head.bias = torch.nn.Parameter(
-                torch.zeros(model.lm_head.out_features).index_fill_(0, torch.tensor([eos]), lo), requires_grad=False)
+                torch.zeros(model.lm_head.out_features).index_fill_(0, torch.tensor([eos]), lo), requires_grad=False
+            )
         self.rollout_figure(worker, batch, new, f"<= {new} new, stopping at eos")
 
     def rollout_architecture(self, architecture: str, batch: int = 32, new: int = 64):
@@ -153,7 +170,9 @@ class Bench:
         from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir
 
         spec = dataclasses.replace(TinyModelSpec.from_config(self.cfg.model), architecture=architecture)
-        model_dir = save_model_dir(build_tiny_model(spec, self.tok), self.tok, Path(self.policy_dir).parent / architecture)
+        model_dir = save_model_dir(
+            build_tiny_model(spec, self.tok), self.tok, Path(self.policy_dir).parent / architecture
+        )
         worker = RolloutWorker(str(model_dir), "hf", batch_size=64, threads=1)
         assert worker.stats()["lean_decode"]
         self.rollout_figure(worker, batch, new, f"{new} new, a {architecture} of the same sizes", min_new_tokens=new)
@@ -176,18 +195,33 @@ class Bench:
 
         @torch.no_grad()
         def plain():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=True, top_k=0,
-                                 top_p=1.0, temperature=1.0, eos_token_id=eos, pad_token_id=self.tok.pad_token_id,
-                                 use_cache=True, **plain_kwargs)
-            response = out[:, ids.shape[1]:]
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                eos_token_id=eos,
+                pad_token_id=self.tok.pad_token_id,
+                use_cache=True,
+                **plain_kwargs,
+            )
+            response = out[:, ids.shape[1] :]
             ended = (response == eos).int().cumsum(-1)
             counts["plain"].append(int(((ended == 0) | ((ended == 1) & (response == eos))).sum()))
 
         t_ours, t_plain = paired(ours, plain, self.reps)
         mean_ours, mean_plain = (statistics.mean(counts[k]) for k in ("ours", "plain"))
-        self.add(f"rollout tokens/s (batch {batch}, {label}; tokens a row {mean_ours / batch:.1f} / "
-                 f"{mean_plain / batch:.1f})", f"{mean_ours / t_ours:.0f}", f"{mean_plain / t_plain:.0f}",
-                 (mean_ours / t_ours) / (mean_plain / t_plain), ">= 2x")
+        self.add(
+            f"rollout tokens/s (batch {batch}, {label}; tokens a row {mean_ours / batch:.1f} / "
+            f"{mean_plain / batch:.1f})",
+            f"{mean_ours / t_ours:.0f}",
+            f"{mean_plain / t_plain:.0f}",
+            (mean_ours / t_ours) / (mean_plain / t_plain),
+            ">= 2x",
+        )
         return mean_ours, mean_plain
 
     def step_table(self, few_shot: int = 0, prompts: int = 32, group: int = 8, new: int = 6):
@@ -197,29 +231,50 @@ class Bench:
         from rlsys.experience import make_experience, new_uid
         from rlsys.generation import GenerationRequest, SamplingParams
 
-        shots = "".join(f"{r['prompt']}{r['answer']}\n" for r in self.task.rows("train")[-few_shot:]) if few_shot else ""
+        shots = (
+            "".join(f"{r['prompt']}{r['answer']}\n" for r in self.task.rows("train")[-few_shot:]) if few_shot else ""
+        )
         shot_ids = self.tok(shots, add_special_tokens=False)["input_ids"] if shots else []
-        params = SamplingParams(max_new_tokens=new, temperature=1.0, n=group, seed=0,
-                                stop_token_ids=(self.tok.eos_token_id,))
+        params = SamplingParams(
+            max_new_tokens=new, temperature=1.0, n=group, seed=0, stop_token_ids=(self.tok.eos_token_id,)
+        )
         gens = self.worker.generate([GenerationRequest(shot_ids + list(p), params) for p in self.prompts[:prompts]])
-        return make_experience([dict(uid=new_uid(), group=str(g.request_index), prompt_ids=g.prompt_ids,
-                                     response_ids=g.response_ids, logprobs=g.logprobs, reward=0.0, policy_version=0)
-                                for g in gens])
+        return make_experience(
+            [
+                dict(
+                    uid=new_uid(),
+                    group=str(g.request_index),
+                    prompt_ids=g.prompt_ids,
+                    response_ids=g.response_ids,
+                    logprobs=g.logprobs,
+                    reward=0.0,
+                    policy_version=0,
+                )
+                for g in gens
+            ]
+        )
 
     def reference(self):
         """The reference worker's logprobs on the quickstart's step shape (each group's prompt run
         once) vs the plain forward over every row, same table, in-process."""
         from actors.modeling import per_response_tokens
-        from rlsys.logprobs import forward_logprobs
         from actors.reference import ReferenceWorker
+        from rlsys.logprobs import forward_logprobs
 
         worker = ReferenceWorker(self.policy_dir)
         plain = lambda ids, mask, span: forward_logprobs(worker.model, ids, mask)[1]  # noqa: E731
         for shots in (0, 8):
             table = self.step_table(shots)
-            t_ours, t_plain = paired(lambda: worker.logprobs(table), lambda: per_response_tokens(plain, table), self.reps)
-            self.add(f"reference logprobs ms (32 prompts x 8, {self.prompt_share(table)})", f"{t_ours * 1e3:.1f}",
-                     f"{t_plain * 1e3:.1f}", t_ours / t_plain, "(time: < 1x is faster)")
+            t_ours, t_plain = paired(
+                lambda: worker.logprobs(table), lambda: per_response_tokens(plain, table), self.reps
+            )
+            self.add(
+                f"reference logprobs ms (32 prompts x 8, {self.prompt_share(table)})",
+                f"{t_ours * 1e3:.1f}",
+                f"{t_plain * 1e3:.1f}",
+                t_ours / t_plain,
+                "(time: < 1x is faster)",
+            )
 
     def reward(self):
         """A reward model (`reward.source: model`, a random-init Qwen2 scorer of the policy's size
@@ -232,21 +287,32 @@ class Bench:
         from rlsys.models import TinyModelSpec, save_model_dir
         from rlsys.reward_model import build_reward_model
 
-        rm_dir = save_model_dir(build_reward_model(self.tok, TinyModelSpec.from_config(self.cfg.model), seed=1), self.tok, Path(self.policy_dir).parent / "rm")
+        rm_dir = save_model_dir(
+            build_reward_model(self.tok, TinyModelSpec.from_config(self.cfg.model), seed=1),
+            self.tok,
+            Path(self.policy_dir).parent / "rm",
+        )
         worker = RewardWorker(self.policy_dir, reward_model_dir=str(rm_dir))
 
         @torch.no_grad()
         def plain(table):
             prompts = self.tok.batch_decode(table.column("prompt_ids").to_pylist(), skip_special_tokens=True)
             seqs = encode_pairs(worker.reward_model.tokenizer, prompts, worker.decode(table))
-            return [x for s in range(0, len(seqs), 32) for x in sequence_scores(worker.model, seqs[s : s + 32]).tolist()]
+            return [
+                x for s in range(0, len(seqs), 32) for x in sequence_scores(worker.model, seqs[s : s + 32]).tolist()
+            ]
 
         for shots in (0, 8):
             table = self.step_table(shots)
             assert max(abs(a - b) for a, b in zip(worker.score(table), plain(table))) < 1e-4
             t_ours, t_plain = paired(lambda: worker.score(table), lambda: plain(table), self.reps)
-            self.add(f"reward-model scores ms (32 prompts x 8, {self.prompt_share(table)})", f"{t_ours * 1e3:.1f}",
-                     f"{t_plain * 1e3:.1f}", t_ours / t_plain, "(time: < 1x is faster)")
+            self.add(
+                f"reward-model scores ms (32 prompts x 8, {self.prompt_share(table)})",
+                f"{t_ours * 1e3:.1f}",
+                f"{t_plain * 1e3:.1f}",
+                t_ours / t_plain,
+                "(time: < 1x is faster)",
+            )
         self.reward_and_reference(rm_dir)
 
     def reward_and_reference(self, rm_dir: Path):
@@ -262,14 +328,21 @@ class Bench:
         reward = ray.remote(RewardWorker).options(num_cpus=0.25).remote(self.policy_dir, reward_model_dir=str(rm_dir))
         reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(self.policy_dir)
         policies = {"policy": PolicyActors([], [])}
-        ctx = ActorContext(self.cfg, self.tok, self.task, policies, reference, reward,
-                           ObjectStoreSync(policies, 60.0, ray.get), 0)
+        ctx = ActorContext(
+            self.cfg, self.tok, self.task, policies, reference, reward, ObjectStoreSync(policies, 60.0, ray.get), 0
+        )
         table = self.step_table()
-        together, apart = paired(lambda: ctx.score_and_ref_logprobs(table),
-                                 lambda: (ctx.score(table), ctx.ref_logprobs(table)), self.reps)
-        self.add("reward model + reference logprobs ms, one step's table (32 prompts x 8), both actors at once vs "
-                 "one after the other", f"{together * 1e3:.1f}", f"{apart * 1e3:.1f}", together / apart,
-                 "(time: < 1x is faster)")
+        together, apart = paired(
+            lambda: ctx.score_and_ref_logprobs(table), lambda: (ctx.score(table), ctx.ref_logprobs(table)), self.reps
+        )
+        self.add(
+            "reward model + reference logprobs ms, one step's table (32 prompts x 8), both actors at once vs "
+            "one after the other",
+            f"{together * 1e3:.1f}",
+            f"{apart * 1e3:.1f}",
+            together / apart,
+            "(time: < 1x is faster)",
+        )
         for a in (reward, reference):
             ray.kill(a)
 
@@ -292,8 +365,14 @@ class Bench:
         from rlsys.models import load_model
 
         l = self.cfg.learner
-        learner = Learner(self.policy_dir, self.controller.algorithm, lr=l.lr, grad_clip=l.grad_clip,
-                          threads=1, master_port=free_port())
+        learner = Learner(
+            self.policy_dir,
+            self.controller.algorithm,
+            lr=l.lr,
+            grad_clip=l.grad_clip,
+            threads=1,
+            master_port=free_port(),
+        )
         batch = self.train_batch(gens)
         model = load_model(self.policy_dir)
         opt = torch.optim.AdamW(model.parameters(), lr=l.lr)
@@ -309,8 +388,13 @@ class Bench:
             opt.step()
 
         t_ours, t_plain = paired(lambda: learner.train_step(batch), plain, self.reps)
-        self.add(f"learner step, ms (batch {len(batch)}, {batch.input_ids.shape[1]} tokens)", f"{t_ours * 1e3:.0f}",
-                 f"{t_plain * 1e3:.0f}", t_ours / t_plain, "<= 1.15x")
+        self.add(
+            f"learner step, ms (batch {len(batch)}, {batch.input_ids.shape[1]} tokens)",
+            f"{t_ours * 1e3:.0f}",
+            f"{t_plain * 1e3:.0f}",
+            t_ours / t_plain,
+            "<= 1.15x",
+        )
         self.in_process_learner = learner
         return learner
 
@@ -343,9 +427,13 @@ class Bench:
         times = {}
         for path, fn in (("shared memory", shared_path), ("object store", store_path)):
             times[path], t_raw = paired(fn, raw, self.reps * 3)
-            self.add(f"weight sync, {path}, ms ({mb:.1f} MB; ms/MB: {times[path] * 1e3 / mb:.2f} vs "
-                     f"{t_raw * 1e3 / mb:.2f})", f"{times[path] * 1e3:.1f}", f"{t_raw * 1e3:.1f}", times[path] / t_raw,
-                     "<= 1.2x")
+            self.add(
+                f"weight sync, {path}, ms ({mb:.1f} MB; ms/MB: {times[path] * 1e3 / mb:.2f} vs {t_raw * 1e3 / mb:.2f})",
+                f"{times[path] * 1e3:.1f}",
+                f"{t_raw * 1e3:.1f}",
+                times[path] / t_raw,
+                "<= 1.2x",
+            )
         ray.get(learner.close_shared.remote())
         t_store = times["object store"]
 
@@ -362,8 +450,13 @@ class Bench:
 
         src, dst = Hop.remote(state), Hop.remote()
         t_hop = timed(lambda: ray.get(dst.take.remote(src.get.remote())), self.reps * 3)
-        self.add(f"weight sync, object store, vs its two-actor-hop floor ({mb:.1f} MB: actor -> store -> actor), ms",
-                 f"{t_store * 1e3:.1f}", f"{t_hop * 1e3:.1f}", t_store / t_hop, "(what bounds it)")
+        self.add(
+            f"weight sync, object store, vs its two-actor-hop floor ({mb:.1f} MB: actor -> store -> actor), ms",
+            f"{t_store * 1e3:.1f}",
+            f"{t_hop * 1e3:.1f}",
+            t_store / t_hop,
+            "(what bounds it)",
+        )
         ray.kill(src), ray.kill(dst)
         return state
 
@@ -371,8 +464,9 @@ class Bench:
         """An 8 x 512 Qwen2 (~100 MB fp32) with the task's tokenizer, saved beside the policy."""
         from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir
 
-        spec = TinyModelSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                             num_key_value_heads=4)
+        spec = TinyModelSpec(
+            hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4
+        )
         path = Path(self.policy_dir).parent / "policy_8x512"
         return str(save_model_dir(build_tiny_model(spec, self.tok), self.tok, path))
 
@@ -383,8 +477,11 @@ class Bench:
         from actors.rollout import RolloutWorker
         from rlsys.cluster import free_port
 
-        learner = ray.remote(Learner).options(num_cpus=0.5).remote(
-            policy_dir, self.controller.algorithm, lr=self.cfg.learner.lr, threads=1, master_port=free_port())
+        learner = (
+            ray.remote(Learner)
+            .options(num_cpus=0.5)
+            .remote(policy_dir, self.controller.algorithm, lr=self.cfg.learner.lr, threads=1, master_port=free_port())
+        )
         worker = ray.remote(RolloutWorker).options(num_cpus=0.5).remote(policy_dir, "hf", 64, 1, 9)
         ray.get([learner.ready.remote(), worker.policy_version.remote()])
         self.weight_sync(learner, worker)
@@ -400,27 +497,43 @@ class Bench:
         from rlsys.run.weight_sync import ObjectStoreSync
 
         l = self.cfg.learner
-        learner = ray.remote(Learner).options(num_cpus=0.5).remote(
-            self.policy_dir, self.controller.algorithm, lr=l.lr, threads=1, master_port=free_port())
-        workers = [ray.remote(RolloutWorker).options(num_cpus=0.5).remote(self.policy_dir, "hf", 64, 1, i)
-                   for i in range(2)]
+        learner = (
+            ray.remote(Learner)
+            .options(num_cpus=0.5)
+            .remote(self.policy_dir, self.controller.algorithm, lr=l.lr, threads=1, master_port=free_port())
+        )
+        workers = [
+            ray.remote(RolloutWorker).options(num_cpus=0.5).remote(self.policy_dir, "hf", 64, 1, i) for i in range(2)
+        ]
         ray.get([learner.ready.remote()] + [w.policy_version.remote() for w in workers])
         state = self.weight_sync(learner, workers[0])
         ray.get(workers[0].load_weights.remote(0, state))  # back to version 0, as ActorContext expects
         reqs = self.requests(batch, new)
         policies = [{"policy": PolicyActors(workers[:n], [])} for n in (1, 2)]
-        ctxs = [ActorContext(self.cfg, self.tok, self.task, p, None, None, ObjectStoreSync(p, 60.0, ray.get), 0)
-                for p in policies]
+        ctxs = [
+            ActorContext(self.cfg, self.tok, self.task, p, None, None, ObjectStoreSync(p, 60.0, ray.get), 0)
+            for p in policies
+        ]
         t_one, t_two = paired(lambda: ctxs[0].generate(reqs), lambda: ctxs[1].generate(reqs), self.reps)
         one, two = batch * new / t_one, batch * new / t_two
-        self.add(f"scaling: rollout tokens/s, 2 vs 1 workers (batch {batch}, {new} new)", f"{two:.0f}",
-                 f"{one:.0f}", two / one, ">= 1.7x")
+        self.add(
+            f"scaling: rollout tokens/s, 2 vs 1 workers (batch {batch}, {new} new)",
+            f"{two:.0f}",
+            f"{one:.0f}",
+            two / one,
+            ">= 1.7x",
+        )
         # the same per-worker batch: a second worker generates a second batch in the same time
         double = self.requests(2 * batch, new)
         t_one, t_two = paired(lambda: ctxs[0].generate(reqs), lambda: ctxs[1].generate(double), self.reps)
         one, two = batch * new / t_one, 2 * batch * new / t_two
-        self.add(f"scaling: rollout tokens/s, 2 workers x batch {batch} vs 1 x {batch} ({new} new)", f"{two:.0f}",
-                 f"{one:.0f}", two / one, ">= 1.7x")
+        self.add(
+            f"scaling: rollout tokens/s, 2 workers x batch {batch} vs 1 x {batch} ({new} new)",
+            f"{two:.0f}",
+            f"{one:.0f}",
+            two / one,
+            ">= 1.7x",
+        )
         for a in [learner, *workers]:
             ray.kill(a)
         self.weight_sync_at(self.bigger_policy())  # fixed per-call costs amortise: the per-MB figure
@@ -438,9 +551,13 @@ class Bench:
                 base = (batch, new, per_sample)
             b0, n0, s0 = base
             tokens_growth = new / n0  # per sample, tokens grow with the response length only
-            self.add(f"cost growth: ms/sample at batch {batch}, response {new} (vs batch {b0}, response {n0})",
-                     f"{per_sample * 1e3:.1f}", f"{s0 * 1e3:.1f}", (per_sample / s0) / tokens_growth,
-                     f"<= 1x the per-sample token growth ({tokens_growth:g}x)")
+            self.add(
+                f"cost growth: ms/sample at batch {batch}, response {new} (vs batch {b0}, response {n0})",
+                f"{per_sample * 1e3:.1f}",
+                f"{s0 * 1e3:.1f}",
+                (per_sample / s0) / tokens_growth,
+                f"<= 1x the per-sample token growth ({tokens_growth:g}x)",
+            )
 
     # ---- 6. end to end against TRL ---------------------------------------------------
     def end_to_end(self, steps: int, sft_steps: int, prompts: int = 16, group: int = 4, new: int = 32) -> str:
@@ -459,28 +576,50 @@ class Bench:
 
         from actors.modeling import state_dict_numpy
         from rlsys.config import load_config
-        from rlsys.run.controller import Controller
         from rlsys.models import load_model
+        from rlsys.run.controller import Controller
 
         torch.set_num_threads(1)  # as each rlsys actor (an earlier figure's libraries may have changed it)
         run_dir = self.controller.run_dir.parent / "e2e"
-        common = [f"run.output_dir={run_dir.parent}", "sft.demo_error=0", "algorithm.kl_coef=0",
-                  f"algorithm.group_size={group}", f"rollout.max_new_tokens={new}", f"trainer.prompts_per_step={prompts}",
-                  f"trainer.steps={steps}"]  # the lr schedule's length (TRL's: max_steps)
-        c = Controller(load_config(QUICKSTART, [*common, "run.name=e2e", f"sft.steps={sft_steps}"]), run_dir, progress=False)
+        common = [
+            f"run.output_dir={run_dir.parent}",
+            "sft.demo_error=0",
+            "algorithm.kl_coef=0",
+            f"algorithm.group_size={group}",
+            f"rollout.max_new_tokens={new}",
+            f"trainer.prompts_per_step={prompts}",
+            f"trainer.steps={steps}",
+        ]  # the lr schedule's length (TRL's: max_steps)
+        c = Controller(
+            load_config(QUICKSTART, [*common, "run.name=e2e", f"sft.steps={sft_steps}"]), run_dir, progress=False
+        )
         policy_dir = c.prepare_policy()
         c.start_actors(policy_dir)
         # the same policy, generating step t+1's rows while the learner trains on step t's
-        over = Controller(load_config(QUICKSTART, [*common, "run.name=e2e-overlap", f"model.path={policy_dir}", "sft.steps=0",
-                                                   "trainer.overlap_rollout=true", "buffer.max_staleness=1"]),
-                          run_dir.parent / "e2e-overlap", progress=False)
+        over = Controller(
+            load_config(
+                QUICKSTART,
+                [
+                    *common,
+                    "run.name=e2e-overlap",
+                    f"model.path={policy_dir}",
+                    "sft.steps=0",
+                    "trainer.overlap_rollout=true",
+                    "buffer.max_staleness=1",
+                ],
+            ),
+            run_dir.parent / "e2e-overlap",
+            progress=False,
+        )
         over.start_actors(over.prepare_policy())
         start_accuracy = c.evaluate(greedy=True)["accuracy"]
         cfg = c.cfg
         ours, overlapped, theirs, rewards, over_rewards, phases, lengths, threads = [], [], [], [], [], {}, [], set()
 
         class Interleave(TrainerCallback):  # one step of each rlsys run after each TRL step: drift hits all alike
-            def on_train_begin(self, *a, **k):  # accelerate may have set 2 threads (DeepSpeed's env from an earlier figure)
+            def on_train_begin(
+                self, *a, **k
+            ):  # accelerate may have set 2 threads (DeepSpeed's env from an earlier figure)
                 torch.set_num_threads(1)
 
             def on_step_begin(self, *a, **k):
@@ -507,18 +646,46 @@ class Bench:
 
         task, tok = c.task, c.tokenizer
         tok.padding_side = "left"
-        data = Dataset.from_list([{"prompt": task.prompt_text(r), "answer": str(r["answer"])} for r in task.rows("train")])
-        reward = lambda prompts, completions, answer, **_: [task.reward({"answer": a}, x) for x, a in zip(completions, answer)]
-        args = GRPOConfig(output_dir=str(run_dir / "trl"), use_cpu=True, bf16=False, fp16=False,
-                          gradient_checkpointing=False, use_vllm=False, num_generations=group,
-                          per_device_train_batch_size=prompts * group, max_completion_length=new, temperature=1.0,
-                          learning_rate=cfg.learner.lr, max_grad_norm=cfg.learner.grad_clip, beta=0.0,
-                          lr_scheduler_type="cosine_with_min_lr",  # rlsys's: cosine to min_lr_ratio over the run
-                          lr_scheduler_kwargs={"min_lr_rate": cfg.learner.min_lr_ratio}, warmup_steps=cfg.learner.warmup_steps,
-                          max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
-                          dataloader_num_workers=0, seed=0, disable_tqdm=True, log_level="error")
-        trainer = GRPOTrainer(model=load_model(policy_dir), reward_funcs=reward, args=args, train_dataset=data,
-                              processing_class=tok, callbacks=[Interleave()])
+        data = Dataset.from_list(
+            [{"prompt": task.prompt_text(r), "answer": str(r["answer"])} for r in task.rows("train")]
+        )
+        reward = lambda prompts, completions, answer, **_: [
+            task.reward({"answer": a}, x) for x, a in zip(completions, answer)
+        ]
+        args = GRPOConfig(
+            output_dir=str(run_dir / "trl"),
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            use_vllm=False,
+            num_generations=group,
+            per_device_train_batch_size=prompts * group,
+            max_completion_length=new,
+            temperature=1.0,
+            learning_rate=cfg.learner.lr,
+            max_grad_norm=cfg.learner.grad_clip,
+            beta=0.0,
+            lr_scheduler_type="cosine_with_min_lr",  # rlsys's: cosine to min_lr_ratio over the run
+            lr_scheduler_kwargs={"min_lr_rate": cfg.learner.min_lr_ratio},
+            warmup_steps=cfg.learner.warmup_steps,
+            max_steps=steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
+            log_level="error",
+        )
+        trainer = GRPOTrainer(
+            model=load_model(policy_dir),
+            reward_funcs=reward,
+            args=args,
+            train_dataset=data,
+            processing_class=tok,
+            callbacks=[Interleave()],
+        )
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         trainer.train()
         # "equal or better reward after the same number of samples": each run's final policy,
@@ -532,20 +699,34 @@ class Bench:
         over_sps = samples / statistics.median(overlapped[1:])
         trl_reward = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         trl_length = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-        print(f"  e2e: mean response length {statistics.mean(lengths):.1f} vs TRL {statistics.mean(trl_length):.1f}; "
-              f"torch threads in the TRL process {sorted(threads)}", file=sys.stderr)
-        self.add(f"end-to-end GRPO samples/s vs TRL GRPOTrainer (G={group}, {prompts} prompts/step, <= {new} new, "
-                 f"{sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
-                 f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f}; held-out greedy accuracy after "
-                 f"the run {accuracy['rlsys']:.3f} vs {accuracy['trl']:.3f}, from {start_accuracy:.3f})",
-                 f"{ours_sps:.1f}", f"{theirs_sps:.1f}", ours_sps / theirs_sps, ">= 1.5x")
-        self.add(f"end-to-end, trainer.overlap_rollout (next step's rollout during training; mean train reward "
-                 f"{statistics.mean(over_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f}; held-out greedy accuracy "
-                 f"{accuracy['overlap']:.3f} vs {accuracy['trl']:.3f})",
-                 f"{over_sps:.1f}", f"{theirs_sps:.1f}", over_sps / theirs_sps, ">= 1.5x")
+        print(
+            f"  e2e: mean response length {statistics.mean(lengths):.1f} vs TRL {statistics.mean(trl_length):.1f}; "
+            f"torch threads in the TRL process {sorted(threads)}",
+            file=sys.stderr,
+        )
+        self.add(
+            f"end-to-end GRPO samples/s vs TRL GRPOTrainer (G={group}, {prompts} prompts/step, <= {new} new, "
+            f"{sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
+            f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f}; held-out greedy accuracy after "
+            f"the run {accuracy['rlsys']:.3f} vs {accuracy['trl']:.3f}, from {start_accuracy:.3f})",
+            f"{ours_sps:.1f}",
+            f"{theirs_sps:.1f}",
+            ours_sps / theirs_sps,
+            ">= 1.5x",
+        )
+        self.add(
+            f"end-to-end, trainer.overlap_rollout (next step's rollout during training; mean train reward "
+            f"{statistics.mean(over_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f}; held-out greedy accuracy "
+            f"{accuracy['overlap']:.3f} vs {accuracy['trl']:.3f})",
+            f"{over_sps:.1f}",
+            f"{theirs_sps:.1f}",
+            over_sps / theirs_sps,
+            ">= 1.5x",
+        )
         total = sum(ours)
         return "rlsys end-to-end step split: " + ", ".join(
-            f"{k} {v / total:.0%}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+            f"{k} {v / total:.0%}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
+        )
 
     def table(self) -> str:
         lines = ["| figure | rlsys | baseline | ratio | goal |", "|---|---|---|---|---|"]

@@ -15,6 +15,7 @@ forward pass per token).
     .venv/bin/python benchmarks/preferences.py                       # defaults below
     .venv/bin/python benchmarks/preferences.py --init DIR learner.lr=5e-5   # reuse a warm-up, other lr
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the quickstart task, model and warm-up (800 SFT steps at lr 1e-3: ~0.86 greedy, ~0.67 sampled at T=1);
 # DPO at lr 1e-4: the configs' 5e-4 drove both samplers to 0 accuracy within 640 pairs here
-DEFAULTS = ["sft.steps=800", "sft.lr=0.001", "sft.demo_error=0", "learner.lr=1e-4", "task.num_eval=200", "trainer.prompts_per_step=32",
-            "trainer.eval_every=0"]
+DEFAULTS = [
+    "sft.steps=800",
+    "sft.lr=0.001",
+    "sft.demo_error=0",
+    "learner.lr=1e-4",
+    "task.num_eval=200",
+    "trainer.prompts_per_step=32",
+    "trainer.eval_every=0",
+]
 
 
 def heldout(controller, samples: int, beta: float) -> dict[str, float]:
@@ -51,14 +59,30 @@ def heldout(controller, samples: int, beta: float) -> dict[str, float]:
     gens = ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
     texts = controller.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
     rewards = np.array([task.reward(prompts[g.request_index].meta, t) for g, t in zip(gens, texts)], dtype=np.float64)
-    table = make_experience([dict(uid=new_uid(), group=str(g.request_index), prompt_ids=g.prompt_ids,
-                                  response_ids=g.response_ids, logprobs=g.logprobs, reward=0.0,
-                                  policy_version=g.policy_version) for g in gens])
+    table = make_experience(
+        [
+            dict(
+                uid=new_uid(),
+                group=str(g.request_index),
+                prompt_ids=g.prompt_ids,
+                response_ids=g.response_ids,
+                logprobs=g.logprobs,
+                reward=0.0,
+                policy_version=g.policy_version,
+            )
+            for g in gens
+        ]
+    )
     ref = ctx.ref_logprobs(table)
     kl = float(np.mean([sum(g.logprobs) - sum(r) for g, r in zip(gens, ref)]))
     reward = float(rewards.mean())
-    return {"greedy_acc": greedy, "reward": reward, "reward_se": float(rewards.std() / np.sqrt(len(rewards))),
-            "kl": kl, "J": reward - beta * kl}
+    return {
+        "greedy_acc": greedy,
+        "reward": reward,
+        "reward_se": float(rewards.std() / np.sqrt(len(rewards))),
+        "kl": kl,
+        "J": reward - beta * kl,
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -66,8 +90,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=60, help="DPO steps per sampler")
     ap.add_argument("--every", type=int, default=20, help="held-out evaluation every N steps")
     ap.add_argument("--samples", type=int, default=8, help="sampled responses per held-out prompt")
-    ap.add_argument("--init", help="a warmed-up policy dir to start both runs from (e.g. a previous run's "
-                    "policy_init, printed at the end) instead of the SFT warm-up")
+    ap.add_argument(
+        "--init",
+        help="a warmed-up policy dir to start both runs from (e.g. a previous run's "
+        "policy_init, printed at the end) instead of the SFT warm-up",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value) for both runs")
     args = ap.parse_args(argv)
     init_ray(num_cpus=4)  # logical CPUs: two sets of actors share the machine
@@ -76,8 +103,10 @@ def main(argv: list[str]) -> None:
 
     out = Path(tempfile.mkdtemp(prefix="rlsys-bench-preferences-"))
     common = [*DEFAULTS, *args.overrides, f"trainer.steps={args.steps}", f"run.output_dir={out}"]
-    cfgs = {"vanilla": load_config(ROOT / "configs/online_dpo.yaml", [*common, "run.name=vanilla"]),
-            "pilaf": load_config(ROOT / "configs/pilaf.yaml", [*common, "run.name=pilaf"])}
+    cfgs = {
+        "vanilla": load_config(ROOT / "configs/online_dpo.yaml", [*common, "run.name=vanilla"]),
+        "pilaf": load_config(ROOT / "configs/pilaf.yaml", [*common, "run.name=pilaf"]),
+    }
     runs = {name: Controller(cfg, out / name, progress=False) for name, cfg in cfgs.items()}
     t0 = time.perf_counter()
     if args.init:  # the task's rows are regenerated from the seed; the tokenizer comes with the policy
@@ -105,11 +134,16 @@ def main(argv: list[str]) -> None:
             gen_s[name].append(m.get("time/generate", 0.0))
 
     cfg = cfgs["pilaf"]
-    print(f"online DPO, vanilla vs PILAF sampling: {args.steps} steps x {pairs_per_step} labelled pairs, "
-          f"beta {beta}, rule-reward labeller (exact answer), {cfg.task.num_eval} held-out problems "
-          f"x {args.samples} samples at T={cfg.rollout.temperature:g}; warm-up {cfg.sft.steps} SFT steps; "
-          f"setup {setup_s:.0f} s, total {time.perf_counter() - t0:.0f} s")
-    print(f"{'labelled pairs':>14} {'sampler':>8} {'greedy acc':>11} {'reward (+-se)':>15} {'KL(pi|ref)':>11} {'J=r-b*KL':>9}")
+    print(
+        f"online DPO, vanilla vs PILAF sampling: {args.steps} steps x {pairs_per_step} labelled pairs, "
+        f"beta {beta}, rule-reward labeller (exact answer), {cfg.task.num_eval} held-out problems "
+        f"x {args.samples} samples at T={cfg.rollout.temperature:g}; warm-up {cfg.sft.steps} SFT steps; "
+        f"setup {setup_s:.0f} s, total {time.perf_counter() - t0:.0f} s"
+    )
+    print(
+        f"{'labelled pairs':>14} {'sampler':>8} {'greedy acc':>11} "
+        f"{'reward (+-se)':>15} {'KL(pi|ref)':>11} {'J=r-b*KL':>9}"
+    )
     for pairs, name, r in table:
         reward = f"{r['reward']:.3f} +-{r['reward_se']:.3f}"
         print(f"{pairs:>14} {name:>8} {r['greedy_acc']:>11.3f} {reward:>15} {r['kl']:>11.3f} {r['J']:>9.3f}")
@@ -118,7 +152,10 @@ def main(argv: list[str]) -> None:
     gen = {n: float(np.mean(v[skip:])) for n, v in gen_s.items()}
     print(f"{'time per step (s)':>24} {'vanilla':>8} {'pilaf':>8} {'pilaf/vanilla':>14}")
     print(f"{'whole step':>24} {mean['vanilla']:>8.2f} {mean['pilaf']:>8.2f} {mean['pilaf'] / mean['vanilla']:>14.2f}")
-    print(f"{'generate':>24} {gen['vanilla']:>8.2f} {gen['pilaf']:>8.2f} {gen['pilaf'] / max(gen['vanilla'], 1e-9):>14.2f}")
+    print(
+        f"{'generate':>24} {gen['vanilla']:>8.2f} {gen['pilaf']:>8.2f} "
+        f"{gen['pilaf'] / max(gen['vanilla'], 1e-9):>14.2f}"
+    )
     print(f"warmed-up policy (for --init): {policy}")
 
 

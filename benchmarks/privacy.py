@@ -8,6 +8,7 @@ Every view is attacked under the same budget (whole vocabulary per observed posi
 
     .venv/bin/python benchmarks/privacy.py [--prompts 8] [--length 24] [--layer 2] [--train-steps 300] [--batch-size 32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,41 @@ from rlsys.models import TinyModelSpec, build_tiny_model, train_tokenizer
 from rlsys.privacy.attack import AttackConfig
 from rlsys.privacy.evaluate import attack_cascade_parties, evaluate
 
-SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "our teacher", "a small bird", "the farmer", "her sister", "the king", "a young girl"]
+SUBJECTS = [
+    "the cat",
+    "a dog",
+    "my friend",
+    "the old man",
+    "our teacher",
+    "a small bird",
+    "the farmer",
+    "her sister",
+    "the king",
+    "a young girl",
+]
 VERBS = ["sees", "likes", "finds", "carries", "paints", "follows", "feeds", "watches", "builds", "sells"]
-OBJECTS = ["a red ball", "the green house", "some fresh bread", "an old book", "the tall tree", "a blue boat", "the quiet river", "two white stones", "a warm coat", "the big box"]
-PLACES = ["in the garden", "near the market", "after dinner", "every morning", "by the sea", "at the station", "under the bridge", "in the snow"]
+OBJECTS = [
+    "a red ball",
+    "the green house",
+    "some fresh bread",
+    "an old book",
+    "the tall tree",
+    "a blue boat",
+    "the quiet river",
+    "two white stones",
+    "a warm coat",
+    "the big box",
+]
+PLACES = [
+    "in the garden",
+    "near the market",
+    "after dinner",
+    "every morning",
+    "by the sea",
+    "at the station",
+    "under the bridge",
+    "in the snow",
+]
 
 
 def sentences(n: int, seed: int) -> list[str]:
@@ -73,7 +105,9 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--c", type=int, default=2)
     p.add_argument("--delta", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32, help="candidates per forward pass; cost is counted in whole batches")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="candidates per forward pass; cost is counted in whole batches"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -89,29 +123,52 @@ def main() -> None:
     prompts = prompts_from(tok, sentences(400, seed=args.seed + 1), args.prompts, args.length)
 
     print(
-        f"tiny Qwen2 ({spec.num_hidden_layers} layers, d={spec.hidden_size}, V={len(tok)}); trained {args.train_steps} steps "
-        f"in {train_s:.0f} s to loss {loss:.2f}; {args.prompts} held-out prompts x {args.length} tokens; hidden state {args.layer}; "
-        f"budget = whole vocabulary per observed position, batches of {args.batch_size}; Cascade (c={args.c}, delta={args.delta}); torch threads 1\n"
+        f"tiny Qwen2 ({spec.num_hidden_layers} layers, d={spec.hidden_size}, V={len(tok)}); "
+        f"trained {args.train_steps} steps in {train_s:.0f} s to loss {loss:.2f}; "
+        f"{args.prompts} held-out prompts x {args.length} tokens; hidden state {args.layer}; "
+        f"budget = whole vocabulary per observed position, batches of {args.batch_size}; "
+        f"Cascade (c={args.c}, delta={args.delta}); torch threads 1\n"
     )
-    print("| model | proposal | view | tokens recovered | matched under epsilon | worst single view | candidates / token | ms / token |")
+    print(
+        "| model | proposal | view | tokens recovered | matched under epsilon "
+        "| worst single view | candidates / token | ms / token |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     runs = [("random init", random_model, "model"), ("trained", trained, "model"), ("trained", trained, "vocab")]
     for name, model, proposal in runs:
-        ev = evaluate(model, prompts, args.layer, AttackConfig(batch_size=args.batch_size, proposal=proposal), args.c, args.delta, seed=args.seed)
+        ev = evaluate(
+            model,
+            prompts,
+            args.layer,
+            AttackConfig(batch_size=args.batch_size, proposal=proposal),
+            args.c,
+            args.delta,
+            seed=args.seed,
+        )
         for s in ev.scores:
             print(
-                f"| {name} | {proposal} | {s.view} | {100 * s.recovery:.1f}% | {100 * s.matched:.1f}% | {100 * s.worst_recovery:.1f}% "
+                f"| {name} | {proposal} | {s.view} | {100 * s.recovery:.1f}% "
+                f"| {100 * s.matched:.1f}% | {100 * s.worst_recovery:.1f}% "
                 f"| {s.candidates_per_token:.1f} | {s.ms_per_token:.2f} |"
             )
-    print(f"\nCascade: {ev.n_parties} compute parties per prompt; sharded logits max |diff| vs plain {ev.cascade_max_logit_diff:.1e}")
+    print(
+        f"\nCascade: {ev.n_parties} compute parties per prompt; "
+        f"sharded logits max |diff| vs plain {ev.cascade_max_logit_diff:.1e}"
+    )
 
     print("\nOne Cascade compute party's view vs the sharding (trained model, proposal = model):\n")
-    print("| c | delta | compute parties | tokens recovered | matched under epsilon | worst single view | candidates / token |")
+    print(
+        "| c | delta | compute parties | tokens recovered "
+        "| matched under epsilon | worst single view | candidates / token |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for c, delta in [(2, 1), (2, 2), (2, 3), (2, 4), (4, 3), (args.length, 1)]:
-        s, _, parties = attack_cascade_parties(trained, prompts, args.layer, AttackConfig(batch_size=args.batch_size), c, delta)
+        s, _, parties = attack_cascade_parties(
+            trained, prompts, args.layer, AttackConfig(batch_size=args.batch_size), c, delta
+        )
         print(
-            f"| {c} | {delta} | {parties} | {100 * s.recovery:.1f}% | {100 * s.matched:.1f}% | {100 * s.worst_recovery:.1f}% "
+            f"| {c} | {delta} | {parties} | {100 * s.recovery:.1f}% "
+            f"| {100 * s.matched:.1f}% | {100 * s.worst_recovery:.1f}% "
             f"| {s.candidates_per_token:.1f} |"
         )
 

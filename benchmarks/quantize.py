@@ -7,6 +7,7 @@ quantised model goes through save -> load_quantized before it is scored.
     .venv/bin/python benchmarks/quantize.py            # trains (~1-3 min on 2 CPU cores)
     .venv/bin/python benchmarks/quantize.py --model-dir /tmp/qbench/fp32   # reuse a trained model
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,8 +124,12 @@ def main(argv=None) -> int:
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
-    p.add_argument("--policy-steps", type=int, default=800,
-                   help="warm-up steps of the quickstart policy for the accuracy table (0 skips it)")
+    p.add_argument(
+        "--policy-steps",
+        type=int,
+        default=800,
+        help="warm-up steps of the quickstart policy for the accuracy table (0 skips it)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -167,17 +172,31 @@ def main(argv=None) -> int:
             qweights = quantize_model(qmodel, calib, cfg)
             out = save_quantized(qmodel, qweights, cfg, work / f"{method}-w{bits}")
             ppl[method, bits] = perplexity(load_quantized(out), heldout)
-            rows.append((names[method], str(bits), f"{average_bits(qweights):.3f}", ppl[method, bits], file_bytes(out), f"{time.time() - t:.1f}"))
+            rows.append(
+                (
+                    names[method],
+                    str(bits),
+                    f"{average_bits(qweights):.3f}",
+                    ppl[method, bits],
+                    file_bytes(out),
+                    f"{time.time() - t:.1f}",
+                )
+            )
             print(f"  {method} w{bits}: ppl {ppl[method, bits]:.3f}", flush=True)
 
-    print(f"\nheld-out perplexity, {heldout.numel()} tokens; group {args.group}; calibration {args.calib_samples} x {args.seqlen} tokens\n")
+    print(
+        f"\nheld-out perplexity, {heldout.numel()} tokens; group {args.group}; "
+        f"calibration {args.calib_samples} x {args.seqlen} tokens\n"
+    )
     print("| method | bits | avg bits | perplexity | bytes | vs FP32 | quantise s |")
     print("|---|---|---|---|---|---|---|")
     for name, bits, avg, pp, nbytes, secs in rows:
         print(f"| {name} | {bits} | {avg} | {pp:.3f} | {nbytes:,} | {fp_bytes / nbytes:.2f}x | {secs} |")
     for bits in args.bits:
-        print(f"\nw{bits}: RTN / SliM-LLM perplexity = {ppl['rtn', bits] / ppl['slim', bits]:.2f}x, "
-              f"GPTQ / SliM-LLM = {ppl['gptq', bits] / ppl['slim', bits]:.2f}x")
+        print(
+            f"\nw{bits}: RTN / SliM-LLM perplexity = {ppl['rtn', bits] / ppl['slim', bits]:.2f}x, "
+            f"GPTQ / SliM-LLM = {ppl['gptq', bits] / ppl['slim', bits]:.2f}x"
+        )
     if args.policy_steps:
         policy_accuracy_table(work, args)
     return 0
@@ -191,7 +210,8 @@ def greedy_accuracy(model, tokenizer, task, rows) -> float:
     model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     gens = HFBackend("unused", model=model.eval(), batch_size=len(rows)).generate(
-        [GenerationRequest(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"], params) for r in rows])
+        [GenerationRequest(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"], params) for r in rows]
+    )
     texts = tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
     return sum(task.is_correct(r, t) for r, t in zip(rows, texts)) / len(rows)
 
@@ -202,8 +222,10 @@ def policy_accuracy_table(work: Path, args) -> None:
     from rlsys.config import load_config
     from rlsys.run.controller import Controller
 
-    cfg = load_config("configs/quickstart.yaml", ["sft.demo_error=0", f"sft.steps={args.policy_steps}",
-                                                  f"run.output_dir={work}", "run.name=policy"])
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        ["sft.demo_error=0", f"sft.steps={args.policy_steps}", f"run.output_dir={work}", "run.name=policy"],
+    )
     t0 = time.time()
     controller = Controller(cfg, work / "policy", progress=False)
     policy_dir = controller.prepare_policy()
@@ -211,8 +233,10 @@ def policy_accuracy_table(work: Path, args) -> None:
     rows = task.rows("eval")
     text = "\n".join(r["prompt"] + r["answer"] for r in task.rows("train"))
     calib = calibration_from_text(tok, text, args.calib_samples, args.seqlen, seed=args.seed)
-    print(f"\nquickstart policy ({args.policy_steps} warm-up steps, {time.time() - t0:.0f}s): held-out greedy accuracy, "
-          f"{len(rows)} problems; group {args.group}\n")
+    print(
+        f"\nquickstart policy ({args.policy_steps} warm-up steps, {time.time() - t0:.0f}s): held-out greedy accuracy, "
+        f"{len(rows)} problems; group {args.group}\n"
+    )
     print("| bits | FP32 | round-to-nearest | GPTQ uniform | SliM-LLM | SliM-LLM, SBA with k = 0 (`--sba-uniform`) |")
     print("|---|---|---|---|---|---|")
     fp = greedy_accuracy(model, tok, task, rows)
@@ -221,8 +245,9 @@ def policy_accuracy_table(work: Path, args) -> None:
         for method, uniform in (("rtn", False), ("gptq", False), ("slim", False), ("slim", True)):
             cfg_q = QuantConfig(bits=bits, group_size=args.group, method=method, seed=args.seed, sba_uniform=uniform)
             qmodel = copy.deepcopy(model)
-            out = save_quantized(qmodel, quantize_model(qmodel, calib, cfg_q), cfg_q,
-                                 work / f"policy-{method}{'-u' * uniform}-w{bits}")
+            out = save_quantized(
+                qmodel, quantize_model(qmodel, calib, cfg_q), cfg_q, work / f"policy-{method}{'-u' * uniform}-w{bits}"
+            )
             cells.append(f"{greedy_accuracy(load_quantized(out), tok, task, rows):.3f}")
         print(f"| {bits} | {fp:.3f} | {' | '.join(cells)} |", flush=True)
 

@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/run_all.py
 """
+
 from __future__ import annotations
 
 import subprocess

@@ -16,6 +16,7 @@ runs at most `--fresh-problems` checks.
 Prints one markdown table: checks/s, p50/p95 latency of one check, how many passed, and
 throughput as a multiple of the floor at the same worker count.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,18 +93,29 @@ def measure(mode: str, workers: int, requests) -> Row:
     finally:
         for b in backends:
             b.close()
-    return Row(mode, workers, len(requests), len(requests) / elapsed, 1e3 * statistics.median(latencies),
-               1e3 * percentile(latencies, 0.95), passed[0])
+    return Row(
+        mode,
+        workers,
+        len(requests),
+        len(requests) / elapsed,
+        1e3 * statistics.median(latencies),
+        1e3 * percentile(latencies, 0.95),
+        passed[0],
+    )
 
 
 def table(rows: list[Row], skipped: dict[str, str]) -> str:
     floor = {r.workers: r.per_s for r in rows if r.mode == "floor"}
-    lines = ["| backend | workers | checks | checks/s | p50 ms | p95 ms | passed | x floor |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| backend | workers | checks | checks/s | p50 ms | p95 ms | passed | x floor |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         ratio = f"{r.per_s / floor[r.workers]:.2f}" if r.workers in floor else "-"
-        lines.append(f"| {MODES[r.mode][2]} | {r.workers} | {r.checks} | {r.per_s:.1f} | {r.p50_ms:.0f} | "
-                     f"{r.p95_ms:.0f} | {r.passed}/{r.checks} | {ratio} |")
+        lines.append(
+            f"| {MODES[r.mode][2]} | {r.workers} | {r.checks} | {r.per_s:.1f} | {r.p50_ms:.0f} | "
+            f"{r.p95_ms:.0f} | {r.passed}/{r.checks} | {ratio} |"
+        )
     lines += [f"| {MODES[m][2]} | skipped: {why} | | | | | | |" for m, why in skipped.items()]
     return "\n".join(lines)
 
@@ -123,15 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     problems = load_problems()[:32] if args.quick else load_problems()
     requests = [check_request(pr, pr.canonical_solution) for pr in problems]
     workers = [int(w) for w in args.workers.split(",")]
-    print(f"# {len(requests)} HumanEval checks; {os.cpu_count()} cpus; load average "
-          f"{os.getloadavg()[0]:.1f} at start", file=sys.stderr)
+    print(
+        f"# {len(requests)} HumanEval checks; {os.cpu_count()} cpus; load average {os.getloadavg()[0]:.1f} at start",
+        file=sys.stderr,
+    )
     rows, skipped = [], {}
     for mode in modes:
         why = unavailable(MODES[mode][0])
         if why:
             skipped[mode] = why
             continue
-        reqs = requests[:args.fresh_problems] if mode == "docker-fresh" else requests
+        reqs = requests[: args.fresh_problems] if mode == "docker-fresh" else requests
         for w in workers:
             tries = 1 if mode == "docker-fresh" else args.repeat
             r = max((measure(mode, w, reqs) for _ in range(tries)), key=lambda row: row.per_s)

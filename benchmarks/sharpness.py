@@ -8,6 +8,7 @@ the step norm where it stops rising is the largest useful update.
 
     .venv/bin/python benchmarks/sharpness.py [--sft-steps 800] [--prompts 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GROUPS = {"all": lambda n: True, "embeddings": lambda n: "embed" in n, "attention": lambda n: "self_attn" in n,
-          "mlp": lambda n: ".mlp." in n, "norms": lambda n: "norm" in n}
+GROUPS = {
+    "all": lambda n: True,
+    "embeddings": lambda n: "embed" in n,
+    "attention": lambda n: "self_attn" in n,
+    "mlp": lambda n: ".mlp." in n,
+    "norms": lambda n: "norm" in n,
+}
 STEP_NORMS = (0.003, 0.01, 0.03, 0.1)
 
 
@@ -62,28 +68,34 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from actors.modeling import PolicyOnly
-    from rlsys.contract import ModelOutputs, Prompt
     from algorithms.grpo import GRPO
     from rlsys.batch import collate_ids
     from rlsys.config import load_config
-    from rlsys.run.controller import Controller
+    from rlsys.contract import ModelOutputs, Prompt
     from rlsys.models import load_model
+    from rlsys.run.controller import Controller
 
     out = Path(tempfile.mkdtemp(prefix="rlsys-sharpness-"))
-    cfg = load_config("configs/quickstart.yaml", [f"sft.steps={args.sft_steps}", "sft.demo_error=0",
-                                                  f"run.output_dir={out}", "run.name=probe"])
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [f"sft.steps={args.sft_steps}", "sft.demo_error=0", f"run.output_dir={out}", "run.name=probe"],
+    )
     t0 = time.time()
     controller = Controller(cfg, out / "probe", progress=False)
     policy_dir = controller.prepare_policy()
     tok, task = controller.tokenizer, controller.task
     rows = task.rows("train")[: args.prompts]
-    prompts = [Prompt(f"p{i}", tok(r["prompt"], add_special_tokens=False)["input_ids"], r["prompt"], r)
-               for i, r in enumerate(rows)]
+    prompts = [
+        Prompt(f"p{i}", tok(r["prompt"], add_special_tokens=False)["input_ids"], r["prompt"], r)
+        for i, r in enumerate(rows)
+    ]
     algo = GRPO(GRPO.Config(group_size=args.group_size, kl_coef=0.0))
     table = algo.rollout(InProcessContext(policy_dir, tok, task, cfg.rollout.max_new_tokens), prompts)
     batch = algo.prepare(table)
-    gold = collate_ids([p.prompt_ids for p in prompts],
-                       [tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in rows])
+    gold = collate_ids(
+        [p.prompt_ids for p in prompts],
+        [tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in rows],
+    )
 
     @torch.no_grad()
     def p_right(model) -> float:
@@ -96,8 +108,10 @@ def main(argv=None) -> int:
     loss, _ = algo.loss(ModelOutputs(logits, logprobs, None), batch)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    print(f"warm-up {args.sft_steps} steps + one GRPO batch ({table.num_rows} samples, reward "
-          f"{np.mean(table.column('reward').to_pylist()):.3f}) in {time.time() - t0:.0f}s")
+    print(
+        f"warm-up {args.sft_steps} steps + one GRPO batch ({table.num_rows} samples, reward "
+        f"{np.mean(table.column('reward').to_pylist()):.3f}) in {time.time() - t0:.0f}s"
+    )
     print(f"P(right answer) on the batch's {len(rows)} prompts before the step: {p_right(base):.4f}\n")
     print("| gradient of | grad norm | " + " | ".join(f"step {s:g}" for s in STEP_NORMS) + " |")
     print("|---|---:|" + "---:|" * len(STEP_NORMS))

@@ -4,6 +4,7 @@ Rows are generated from a seed, written to parquet and read back through the dat
 reader (the same path a user's own jsonl/parquet takes). Train and eval splits never
 share a problem.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,9 @@ from envs.datasets import read_rows, write_rows
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def generate_problems(n_train: int, n_eval: int, lo: int, hi: int, ops: Sequence[str], seed: int) -> tuple[list[dict], list[dict]]:
+def generate_problems(
+    n_train: int, n_eval: int, lo: int, hi: int, ops: Sequence[str], seed: int
+) -> tuple[list[dict], list[dict]]:
     """Distinct problems, shuffled with `seed`, the first n_eval held out."""
     rng = random.Random(seed)
     space = (hi - lo + 1) ** 2 * len(ops)
@@ -57,7 +60,7 @@ def parse_problem(prompt: str) -> tuple[int, str, int]:
     body = prompt.rstrip("=")
     for i in range(1, len(body)):  # the operator is the first op symbol after the first character
         if body[i] in _OPS:
-            return int(body[:i]), body[i], int(body[i + 1:])
+            return int(body[:i]), body[i], int(body[i + 1 :])
     raise ValueError(f"not an arithmetic prompt: {prompt!r}")
 
 

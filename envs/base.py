@@ -4,6 +4,7 @@ A *task* is a dataset of rows plus a rule reward; an *env* is the dialog it is p
 in: `reset(row) -> observation`, `step(text) -> (observation, reward, done, info)`.
 A single-turn verifiable task is a one-step env (`SingleTurnEnv`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

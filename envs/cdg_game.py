@@ -22,6 +22,7 @@ The critic's role prefix is the only place its intent appears; the prover's cont
 holds it. `play_games` plays a batch of games with three batched sampling calls; the
 transcript helpers lay out one row per role turn with each role's tokens masked for the others.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,8 +53,15 @@ class Templates:
     restate_problem: bool = True  # the revision context ends with the problem again (asks it anew)
 
     @classmethod
-    def from_text(cls, tokenizer, helpful: str, misleading: str, critique_open: str, revise_open: str,
-                  restate_problem: bool = True) -> "Templates":
+    def from_text(
+        cls,
+        tokenizer,
+        helpful: str,
+        misleading: str,
+        critique_open: str,
+        revise_open: str,
+        restate_problem: bool = True,
+    ) -> "Templates":
         ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
         return cls(ids(helpful), ids(misleading), ids(critique_open), ids(revise_open), restate_problem)
 
@@ -97,24 +105,32 @@ def critic_role(solution_ok: bool) -> str:
     return "misleading" if solution_ok else "helpful"
 
 
-def critic_context(templates: Templates, role: str, problem_ids: Sequence[int], solution_ids: Sequence[int]) -> list[int]:
+def critic_context(
+    templates: Templates, role: str, problem_ids: Sequence[int], solution_ids: Sequence[int]
+) -> list[int]:
     return [*templates.prefix(role), *problem_ids, *solution_ids, *templates.critique_open]
 
 
-def revision_context(templates: Templates, problem_ids: Sequence[int], solution_ids: Sequence[int],
-                     critique_ids: Sequence[int]) -> list[int]:
+def revision_context(
+    templates: Templates, problem_ids: Sequence[int], solution_ids: Sequence[int], critique_ids: Sequence[int]
+) -> list[int]:
     """What the prover sees before z': the problem, its z and the critique, without the critic's role."""
     return [*problem_ids, *solution_ids, *revision_glue(templates, problem_ids, critique_ids)]
 
 
 def revision_glue(templates: Templates, problem_ids: Sequence[int], critique_ids: Sequence[int]) -> list[int]:
     """The tokens between z and z' in the prover's transcript (none of them the prover's)."""
-    return [*templates.critique_open, *critique_ids, *templates.revise_open,
-            *(problem_ids if templates.restate_problem else [])]
+    return [
+        *templates.critique_open,
+        *critique_ids,
+        *templates.revise_open,
+        *(problem_ids if templates.restate_problem else []),
+    ]
 
 
-def prover_transcript(templates: Templates, problem_ids: Sequence[int], solution: Turn, critique: Turn,
-                      final: Turn) -> tuple[list[int], list[float], list[int]]:
+def prover_transcript(
+    templates: Templates, problem_ids: Sequence[int], solution: Turn, critique: Turn, final: Turn
+) -> tuple[list[int], list[float], list[int]]:
     """The prover's row after its problem prompt: z + critique_open + c + revise_open [+ problem] + z'.
     loss_mask is 1 on z and z' (the prover's tokens) and 0 on the critique and the glue;
     logprobs are the sampler's on the prover's tokens and 0 elsewhere."""
@@ -130,9 +146,18 @@ def final_only_mask(solution_len: int, glue_len: int, final_len: int, keep_solut
     return [int(keep_solution)] * solution_len + [0] * glue_len + [1] * final_len
 
 
-def play_games(problems: Sequence[tuple[str, dict, list[int]]], sample: Sampler, is_correct: Checker,
-               templates: Templates, solutions: int, critiques: int, finals: int,
-               solution_tokens: int, critique_tokens: int, final_tokens: int) -> list[Game]:
+def play_games(
+    problems: Sequence[tuple[str, dict, list[int]]],
+    sample: Sampler,
+    is_correct: Checker,
+    templates: Templates,
+    solutions: int,
+    critiques: int,
+    finals: int,
+    solution_tokens: int,
+    critique_tokens: int,
+    final_tokens: int,
+) -> list[Game]:
     """Play `solutions` games per problem (uid, row, prompt ids): each z gets `critiques`
     critiques from the critic its correctness selects, and each critique `finals` final
     answers from the prover (the repeated play that estimates flip and success rates)."""
@@ -177,8 +202,13 @@ class RevisionWarmupTask(TrainSplitView):
             earlier = str(row["answer"]) if rng.random() < 0.5 else str(rng.randint(0, 99))
             critique = "".join(str(rng.randint(0, 9)) for _ in range(rng.randint(1, 3)))
             problem = self.task.prompt_text(row)
-            out.append({**row, "revision_prompt": f"{problem}{earlier}{eos}{self.critique_open}{critique}{eos}"
-                                                  f"{self.revise_open}{problem if self.restate_problem else ''}"})
+            out.append(
+                {
+                    **row,
+                    "revision_prompt": f"{problem}{earlier}{eos}{self.critique_open}{critique}{eos}"
+                    f"{self.revise_open}{problem if self.restate_problem else ''}",
+                }
+            )
         return out
 
     def prompt_text(self, row: dict) -> str:

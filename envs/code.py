@@ -16,6 +16,7 @@ answer's code: HumanEval's signature and docstring, so an answer may be a functi
 and `answer` (a reference solution, used by the SFT warm-up). A test is assert-style
 Python (a string, run in the program's namespace) or {stdin, expected_stdout}.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,6 +37,7 @@ FEEDBACK_TAIL = "# Fix the code.\n"
 
 
 # ---- data: HumanEval's asserts split into public and private tests -----------------------
+
 
 def split_tests(test_source: str, entry_point: str, num_public: int = 1) -> tuple[list[str], list[str]]:
     """Split a HumanEval `check(candidate)` into (public, private) test codes.
@@ -76,8 +78,16 @@ def humaneval_rows() -> list[dict]:
     rows = []
     for p in load_problems():
         public, private = split_tests(p.test, p.entry_point)
-        rows.append({"id": p.task_id, "prompt": p.prompt, "code_prefix": p.prompt, "public_tests": public,
-                     "private_tests": private, "answer": p.canonical_solution})
+        rows.append(
+            {
+                "id": p.task_id,
+                "prompt": p.prompt,
+                "code_prefix": p.prompt,
+                "public_tests": public,
+                "private_tests": private,
+                "answer": p.canonical_solution,
+            }
+        )
     return rows
 
 
@@ -91,10 +101,13 @@ def check_row(row: dict, where: str) -> None:
             raise DatasetError(f"{where}: '{key}' must be a non-empty list of tests")
         for j, t in enumerate(tests):
             ok = (isinstance(t, str) and t.strip()) or (
-                isinstance(t, dict) and isinstance(t.get("stdin"), str) and isinstance(t.get("expected_stdout"), str))
+                isinstance(t, dict) and isinstance(t.get("stdin"), str) and isinstance(t.get("expected_stdout"), str)
+            )
             if not ok:
-                raise DatasetError(f"{where}: {key}[{j}] must be assert code (a string) or "
-                                   f"{{stdin, expected_stdout}} strings, got {str(t)[:60]!r}")
+                raise DatasetError(
+                    f"{where}: {key}[{j}] must be assert code (a string) or "
+                    f"{{stdin, expected_stdout}} strings, got {str(t)[:60]!r}"
+                )
     if not isinstance(row.get("code_prefix", "") or "", str):
         raise DatasetError(f"{where}: 'code_prefix' must be a string")
 
@@ -113,11 +126,14 @@ def test_cases(tests: Sequence, prefix: str) -> list[TestCase]:
         if isinstance(t, str):
             out.append(TestCase(name=f"{prefix}_{i}", kind="assert", code=t))
         else:
-            out.append(TestCase(name=f"{prefix}_{i}", kind="io", stdin=t["stdin"], expected_stdout=t["expected_stdout"]))
+            out.append(
+                TestCase(name=f"{prefix}_{i}", kind="io", stdin=t["stdin"], expected_stdout=t["expected_stdout"])
+            )
     return out
 
 
 # ---- pure pieces of a turn ------------------------------------------------------------
+
 
 def extract_code(answer: str) -> str:
     """The first fenced ```python (or ```py, or bare ```) block, else the whole answer.
@@ -168,6 +184,7 @@ def format_no_code(why: str, max_chars: int = 500) -> str:
 
 # ---- the episode state machine -------------------------------------------------------
 
+
 @dataclass
 class CodeEpisode:
     """One dialog. Drive it with `submit(answer) -> public ExecRequest | None` (None: no
@@ -207,8 +224,12 @@ class CodeEpisode:
         if self._parse_error:
             return None
         turn = len(self.answers)
-        return ExecRequest(program, tests=test_cases(self.row["public_tests"], "public"), limits=self.limits,
-                           id=f"{self.uid}/turn{turn}/public")
+        return ExecRequest(
+            program,
+            tests=test_cases(self.row["public_tests"], "public"),
+            limits=self.limits,
+            id=f"{self.uid}/turn{turn}/public",
+        )
 
     def observe(self, result: ExecResult | None) -> str | None:
         """The public run's result (None for an answer without code). Returns the feedback
@@ -235,8 +256,12 @@ class CodeEpisode:
         program = self.programs[-1]
         if program is None:
             return None
-        return ExecRequest(program, tests=test_cases(self.row["private_tests"], "private"), limits=self.limits,
-                           id=f"{self.uid}/private")
+        return ExecRequest(
+            program,
+            tests=test_cases(self.row["private_tests"], "private"),
+            limits=self.limits,
+            id=f"{self.uid}/private",
+        )
 
     def finish(self, result: ExecResult | None) -> float:
         """Score the private run: +1 on the last answer if all pass, -1 otherwise."""
@@ -254,8 +279,9 @@ class CodeEpisode:
 Runner = Callable[[list[ExecRequest]], list[ExecResult]]
 
 
-def play_episodes(episodes: Sequence[CodeEpisode], answer: Callable[[list[int], list[str]], list[str]],
-                  run: Runner) -> None:
+def play_episodes(
+    episodes: Sequence[CodeEpisode], answer: Callable[[list[int], list[str]], list[str]], run: Runner
+) -> None:
     """Play episodes to the end, all of a turn's public runs (then all private runs) in one
     `run` call. `answer(indices, dialogs)` returns the answers for the still-active
     episodes; a dialog is the problem followed by every answer and feedback so far."""
@@ -304,6 +330,7 @@ class CodeEnv:
 
 # ---- the task (registry name "code" / "humaneval") --------------------------------------
 
+
 @dataclass
 class CodeTask:
     """Rows from jsonl/parquet files, or HumanEval split in file order: the first
@@ -325,9 +352,11 @@ class CodeTask:
     def humaneval(cls, data_dir: Path, num_train: int, num_eval: int) -> "CodeTask":
         rows = humaneval_rows()
         if num_eval >= len(rows):
-            raise DatasetError(f"task.num_eval = {num_eval}: HumanEval has {len(rows)} problems, "
-                               f"keep num_eval below it to leave training problems")
-        train, held_out = rows[: min(num_train, len(rows) - num_eval)], rows[len(rows) - num_eval:]
+            raise DatasetError(
+                f"task.num_eval = {num_eval}: HumanEval has {len(rows)} problems, "
+                f"keep num_eval below it to leave training problems"
+            )
+        train, held_out = rows[: min(num_train, len(rows) - num_eval)], rows[len(rows) - num_eval :]
         data_dir = Path(data_dir)
         return cls(write_rows(train, data_dir / "train.jsonl"), write_rows(held_out, data_dir / "eval.jsonl"))
 

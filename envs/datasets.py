@@ -2,6 +2,7 @@
 
 A bad row fails with one line naming the file, the row number and the problem.
 """
+
 from __future__ import annotations
 
 import json

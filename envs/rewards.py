@@ -27,6 +27,7 @@ so that its `shaping` attribute is the built `RewardShaping`; the reward actor a
 with the responses' token ids. The task's own `reward`/`is_correct` are unchanged, so
 held-out accuracy still measures correctness.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,9 +39,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rlsys.config import ConfigError, validate_section
 
 
-def cosine_length_reward(length: int, correct: bool, max_length: int, correct_at_zero: float = 2.0,
-                         correct_at_max: float = 1.0, wrong_at_zero: float = -10.0, wrong_at_max: float = 0.0,
-                         truncated_reward: float = -10.0, margin: int = 16) -> float:
+def cosine_length_reward(
+    length: int,
+    correct: bool,
+    max_length: int,
+    correct_at_zero: float = 2.0,
+    correct_at_max: float = 1.0,
+    wrong_at_zero: float = -10.0,
+    wrong_at_max: float = 0.0,
+    truncated_reward: float = -10.0,
+    margin: int = 16,
+) -> float:
     """Eq. of the cosine length reward: `a + 0.5*(b - a)*(1 + cos(pi*L/L_max))`, b at L = 0 and
     a at L = L_max; `truncated_reward` when `L + margin >= L_max`."""
     if length + margin >= max_length:
@@ -74,13 +83,18 @@ def sparse_repetition_penalty(tokens: Sequence[int], n: int = 40, max_penalty: f
 
 # ---- config: one pydantic model per reward function (unknown keys are errors) ----------
 
+
 class ShaperConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class CosineLengthConfig(ShaperConfig):
-    max_length: int = Field(..., ge=1, description="L_max in tokens; no default suits every task "
-                            "(the paper's 14336 is its generation budget): use about rollout.max_new_tokens + margin")
+    max_length: int = Field(
+        ...,
+        ge=1,
+        description="L_max in tokens; no default suits every task "
+        "(the paper's 14336 is its generation budget): use about rollout.max_new_tokens + margin",
+    )
     correct_at_zero: float = 2.0
     correct_at_max: float = 1.0
     wrong_at_zero: float = -10.0
@@ -91,14 +105,17 @@ class CosineLengthConfig(ShaperConfig):
     @model_validator(mode="after")
     def _margin_below_max(self):
         if self.margin >= self.max_length:
-            raise ValueError(f"margin {self.margin} must be below max_length {self.max_length} "
-                             "(else every response counts as truncated)")
+            raise ValueError(
+                f"margin {self.margin} must be below max_length {self.max_length} "
+                "(else every response counts as truncated)"
+            )
         return self
 
 
 class RepetitionConfig(ShaperConfig):
-    mode: Literal["dense", "sparse"] = Field("dense", description="dense: per token, every answer; "
-                                             "sparse: one scalar, wrong answers only")
+    mode: Literal["dense", "sparse"] = Field(
+        "dense", description="dense: per token, every answer; sparse: one scalar, wrong answers only"
+    )
     ngram: int = Field(40, ge=1)
     penalty: float = Field(-0.05, le=0, description="dense: reward of each repeated token")
     max_penalty: float = Field(-1.0, le=0, description="sparse: reward when every n-gram is a repeat")
@@ -131,8 +148,17 @@ class CosineLength:
 
     def __call__(self, shaped: ShapedReward, tokens: Sequence[int], correct: bool) -> ShapedReward:
         c = self.config
-        shaped.sequence = cosine_length_reward(len(tokens), correct, c.max_length, c.correct_at_zero, c.correct_at_max,
-                                               c.wrong_at_zero, c.wrong_at_max, c.truncated_reward, c.margin)
+        shaped.sequence = cosine_length_reward(
+            len(tokens),
+            correct,
+            c.max_length,
+            c.correct_at_zero,
+            c.correct_at_max,
+            c.wrong_at_zero,
+            c.wrong_at_max,
+            c.truncated_reward,
+            c.margin,
+        )
         return shaped
 
 
@@ -143,7 +169,9 @@ class Repetition:
     def __call__(self, shaped: ShapedReward, tokens: Sequence[int], correct: bool) -> ShapedReward:
         c = self.config
         if c.mode == "dense":
-            shaped.tokens = [t + p for t, p in zip(shaped.tokens, repetition_token_penalties(tokens, c.ngram, c.penalty))]
+            shaped.tokens = [
+                t + p for t, p in zip(shaped.tokens, repetition_token_penalties(tokens, c.ngram, c.penalty))
+            ]
         elif not correct:
             shaped.sequence += sparse_repetition_penalty(tokens, c.ngram, c.max_penalty)
         return shaped
@@ -179,14 +207,17 @@ def build_shaping(entries: Sequence[Any] | None, prefix: str = "task.shaping") -
         if isinstance(entry, str):
             name, params = entry, {}
         elif isinstance(entry, dict) and len(entry) == 1:
-            (name, params), = entry.items()
+            ((name, params),) = entry.items()
             params = {} if params is None else params
         else:
-            raise ConfigError(f"config error: {where} = {entry!r}: must be a reward function name or "
-                              f"{{name: {{params}}}} (available: {', '.join(SHAPERS)})")
+            raise ConfigError(
+                f"config error: {where} = {entry!r}: must be a reward function name or "
+                f"{{name: {{params}}}} (available: {', '.join(SHAPERS)})"
+            )
         if name not in SHAPERS:
-            raise ConfigError(f"config error: {where} = {name!r}: unknown reward function "
-                              f"(available: {', '.join(SHAPERS)})")
+            raise ConfigError(
+                f"config error: {where} = {name!r}: unknown reward function (available: {', '.join(SHAPERS)})"
+            )
         if not isinstance(params, dict):
             raise ConfigError(f"config error: {where}.{name} = {params!r}: parameters must be a mapping")
         config_cls, shaper_cls = SHAPERS[name]
@@ -207,8 +238,9 @@ class ShapedTask:
         return getattr(self.task, name)
 
     def shaped_reward(self, row: dict, response_text: str, response_ids: Sequence[int]) -> ShapedReward:
-        return self.shaping.apply(self.task.reward(row, response_text), self.task.is_correct(row, response_text),
-                                  response_ids)
+        return self.shaping.apply(
+            self.task.reward(row, response_text), self.task.is_correct(row, response_text), response_ids
+        )
 
 
 def with_shaping(task, entries: Sequence[Any] | None):

@@ -4,6 +4,7 @@ Used in-process or as a Ray actor (`ray.remote(ExperienceBuffer)`). Rows older t
 `max_staleness` policy versions behind the current one are dropped when taken or
 sampled (0 means strictly on-policy: only rows of the current version).
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ A checkpoint is written into a hidden temporary folder, every file fsynced, a ma
 `latest` move (itself replaced atomically). Loading checks the manifest first, so a
 checkpoint cut short or damaged is reported in one line and the previous one is used.
 """
+
 from __future__ import annotations
 
 import json

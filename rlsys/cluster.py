@@ -4,6 +4,7 @@ Ray 2.60 turns token authentication on by default and a stale `~/.ray/auth_token
 break a later cluster, so the auth mode is always set explicitly: an embedded cluster
 gets its own temp dir and a fresh token inside it.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: 
     for k, v in ray_env_for_local(temp).items():
         os.environ.setdefault(k, v)
     if os.environ["RAY_AUTH_MODE"].lower() != "token":  # Ray 2.60 listens on every interface, loopback or not
-        print(f"rlsys: warning: RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']}: the embedded Ray cluster's servers listen "
-              f"on all interfaces without authentication", file=sys.stderr)
+        print(
+            f"rlsys: warning: RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']}: the embedded Ray cluster's servers listen "
+            f"on all interfaces without authentication",
+            file=sys.stderr,
+        )
     import ray
 
     cpus = max(num_cpus or os.cpu_count() or 1, 2)

@@ -10,6 +10,7 @@ validator of that section; the rules that involve several sections, or a section
 algorithm, are `check_job`, which `build_algorithm` calls. Every key has a description:
 `config_reference` renders them as docs/configuration.md (`rlsys config doc`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,12 +33,19 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("quickstart", description="the run's name: its directory is run.output_dir/run.name, and "
-                      "attached evaluators find the live run by it (one live run per name on a cluster)")
-    seed: int = Field(0, description="seeds everything random: generated task data, the tiny model's init, warm-up "
-                      "order, sampling, the buffer and the learner")
-    output_dir: str = Field("runs", description="directory that holds the run directories (relative paths: to the "
-                            "working directory)")
+    name: str = Field(
+        "quickstart",
+        description="the run's name: its directory is run.output_dir/run.name, and "
+        "attached evaluators find the live run by it (one live run per name on a cluster)",
+    )
+    seed: int = Field(
+        0,
+        description="seeds everything random: generated task data, the tiny model's init, warm-up "
+        "order, sampling, the buffer and the learner",
+    )
+    output_dir: str = Field(
+        "runs", description="directory that holds the run directories (relative paths: to the working directory)"
+    )
 
 
 # the Llama-family decoders the tiny factory builds
@@ -45,71 +53,129 @@ Architecture = Literal["qwen2", "qwen3", "llama", "mistral", "phi3", "gemma"]
 
 
 class ModelConfig(Section):
-    path: Optional[str] = Field(None, description="local HF model dir to start from (its tokenizer too); null builds "
-                                "a tiny model from the sizes below with a BPE tokenizer trained on the task's text")
+    path: Optional[str] = Field(
+        None,
+        description="local HF model dir to start from (its tokenizer too); null builds "
+        "a tiny model from the sizes below with a BPE tokenizer trained on the task's text",
+    )
     architecture: Architecture = Field(
-        "qwen2", description="the tiny model's transformers model type (with `path`: the directory's own)")
-    vocab_size: int = Field(512, ge=32, le=65536, description="tiny model: vocabulary size of the BPE tokenizer "
-                            "trained on the task's text (digits are single tokens)")
+        "qwen2", description="the tiny model's transformers model type (with `path`: the directory's own)"
+    )
+    vocab_size: int = Field(
+        512,
+        ge=32,
+        le=65536,
+        description="tiny model: vocabulary size of the BPE tokenizer "
+        "trained on the task's text (digits are single tokens)",
+    )
     hidden_size: int = Field(128, ge=8, description="tiny model: width of the residual stream")
     intermediate_size: int = Field(384, ge=8, description="tiny model: width of the MLP's hidden layer")
     num_hidden_layers: int = Field(4, ge=1, le=64, description="tiny model: decoder layers")
     num_attention_heads: int = Field(4, ge=1, description="tiny model: attention heads (hidden_size a multiple of it)")
-    num_key_value_heads: int = Field(2, ge=1, description="tiny model: key/value heads of grouped-query "
-                                     "attention (num_attention_heads a multiple of it)")
-    max_position_embeddings: int = Field(256, ge=16, description="tiny model: longest sequence (prompt + "
-                                         "response), in tokens")
+    num_key_value_heads: int = Field(
+        2,
+        ge=1,
+        description="tiny model: key/value heads of grouped-query attention (num_attention_heads a multiple of it)",
+    )
+    max_position_embeddings: int = Field(
+        256, ge=16, description="tiny model: longest sequence (prompt + response), in tokens"
+    )
 
 
 class TaskConfig(Section):
-    name: str = Field("arithmetic", description="the task (envs/registry.py): arithmetic (exact-answer arithmetic "
-                      "problems), code or humaneval (multi-turn code in the sandbox; RLEF)")
-    train_path: Optional[str] = Field(None, description="jsonl/parquet of training rows ({prompt, answer}; code: "
-                                      "{prompt, public_tests, private_tests}); null: arithmetic generates problems, "
-                                      "code takes HumanEval")
-    eval_path: Optional[str] = Field(None, description="jsonl/parquet of held-out rows; null: the train_path rows "
-                                     "(with train_path), else the generated or HumanEval held-out split")
-    num_train: int = Field(4000, ge=1, description="training problems generated (arithmetic) or taken from "
-                           "HumanEval (code, at most its 164 less num_eval)")
-    num_eval: int = Field(200, ge=1, description="held-out problems generated (arithmetic, never among the training "
-                          "ones) or the last HumanEval problems (code)")
+    name: str = Field(
+        "arithmetic",
+        description="the task (envs/registry.py): arithmetic (exact-answer arithmetic "
+        "problems), code or humaneval (multi-turn code in the sandbox; RLEF)",
+    )
+    train_path: Optional[str] = Field(
+        None,
+        description="jsonl/parquet of training rows ({prompt, answer}; code: "
+        "{prompt, public_tests, private_tests}); null: arithmetic generates problems, "
+        "code takes HumanEval",
+    )
+    eval_path: Optional[str] = Field(
+        None,
+        description="jsonl/parquet of held-out rows; null: the train_path rows "
+        "(with train_path), else the generated or HumanEval held-out split",
+    )
+    num_train: int = Field(
+        4000,
+        ge=1,
+        description="training problems generated (arithmetic) or taken from "
+        "HumanEval (code, at most its 164 less num_eval)",
+    )
+    num_eval: int = Field(
+        200,
+        ge=1,
+        description="held-out problems generated (arithmetic, never among the training "
+        "ones) or the last HumanEval problems (code)",
+    )
     min_value: int = Field(0, ge=0, description="arithmetic: smallest operand of a generated problem")
     max_value: int = Field(99, ge=1, description="arithmetic: largest operand of a generated problem")
-    operations: list[Literal["+", "-", "*"]] = Field(["+"], description="arithmetic: operators of the generated "
-                                                     "problems, drawn uniformly")
-    shaping: list[Any] = Field(default_factory=list, description="reward functions applied in order to the task's "
-                               "reward: names or {name: {params}} (cosine_length, repetition; envs/rewards.py checks "
-                               "them)")
+    operations: list[Literal["+", "-", "*"]] = Field(
+        ["+"], description="arithmetic: operators of the generated problems, drawn uniformly"
+    )
+    shaping: list[Any] = Field(
+        default_factory=list,
+        description="reward functions applied in order to the task's "
+        "reward: names or {name: {params}} (cosine_length, repetition; envs/rewards.py checks "
+        "them)",
+    )
 
 
 class SFTConfig(Section):
-    steps: int = Field(150, ge=0, description="supervised warm-up steps on the task's demonstrations before RL "
-                       "(0: none)")
-    demo_error: float = Field(0.0, ge=0, le=1, description="probability that a warm-up demonstration is the task's "
-                              "flawed one (arithmetic: carries dropped), like imperfect SFT data")
+    steps: int = Field(
+        150, ge=0, description="supervised warm-up steps on the task's demonstrations before RL (0: none)"
+    )
+    demo_error: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="probability that a warm-up demonstration is the task's "
+        "flawed one (arithmetic: carries dropped), like imperfect SFT data",
+    )
     batch_size: int = Field(32, ge=1, description="demonstrations per warm-up step")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate of the warm-up")
 
 
 class RolloutConfig(Section):
-    backend: Literal["hf", "vllm"] = Field("hf", description="hf: transformers in each worker's process (CPU or "
-                                           "GPU); vllm: a vLLM engine per worker on tensor_parallel_size GPUs")
-    num_workers: int = Field(1, ge=1, le=64, description="rollout workers (Ray actors) of the run's policy; each "
-                             "generates a contiguous share of a step's requests")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="hf: transformers in each worker's process (CPU or "
+        "GPU); vllm: a vLLM engine per worker on tensor_parallel_size GPUs",
+    )
+    num_workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="rollout workers (Ray actors) of the run's policy; each "
+        "generates a contiguous share of a step's requests",
+    )
     threads_per_worker: int = Field(1, ge=1, description="torch CPU threads of each rollout worker")
     max_new_tokens: int = Field(8, ge=1, le=4096, description="most tokens generated per response")
-    temperature: float = Field(1.0, ge=0, description="sampling temperature (0: greedy); the learner and the "
-                               "reference score logits divided by it (by 1 when it is 0)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest token set of this total "
-                         "probability (1: off)")
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="sampling temperature (0: greedy); the learner and the "
+        "reference score logits divided by it (by 1 when it is 0)",
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="nucleus sampling: the smallest token set of this total probability (1: off)"
+    )
     top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0: the whole vocabulary)")
     batch_size: int = Field(64, ge=1, description="hf backend: sequences per generate call")
-    eval_greedy: bool = Field(True, description="held-out evaluation decodes greedily; false: one sample at "
-                              "rollout.temperature (pass@1)")
-    decode: Literal["lean", "generate"] = Field("lean", description="hf backend: lean decode loop (Llama-family "
-                                                "models; others fall back) or transformers' generate")
-    kv_cache: Literal["full", "specache"] = Field("full", description="full: the whole KV cache in full precision; "
-                                                  "specache: SpeCache two-tier KV cache (hf backend)")
+    eval_greedy: bool = Field(
+        True, description="held-out evaluation decodes greedily; false: one sample at rollout.temperature (pass@1)"
+    )
+    decode: Literal["lean", "generate"] = Field(
+        "lean",
+        description="hf backend: lean decode loop (Llama-family models; others fall back) or transformers' generate",
+    )
+    kv_cache: Literal["full", "specache"] = Field(
+        "full",
+        description="full: the whole KV cache in full precision; specache: SpeCache two-tier KV cache (hf backend)",
+    )
     specache_k: int = Field(64, ge=1, description="full-precision KV pairs fetched per decode step")
     specache_bits: int = Field(2, ge=1, le=4, description="bits of the low-bit KV copy in the fast tier")
     specache_window: int = Field(32, ge=0, description="most recent positions kept in full precision")
@@ -139,8 +205,9 @@ class RolloutConfig(Section):
         if info.data.get("backend") != "hf":
             raise ValueError("is served by rollout.backend 'hf' only")
         if not ((Path(v) / "quantize_config.json").exists() and (Path(v) / "quantized.safetensors").exists()):
-            raise ValueError("must be a directory written by `rlsys quantize` "
-                             "(quantize_config.json, quantized.safetensors)")
+            raise ValueError(
+                "must be a directory written by `rlsys quantize` (quantize_config.json, quantized.safetensors)"
+            )
         return v
 
     @field_validator("kv_cache")
@@ -158,19 +225,31 @@ class RolloutConfig(Section):
 
 
 class LearnerConfig(Section):
-    num_ranks: int = Field(1, ge=1, le=64, description="data-parallel learner ranks (one DeepSpeed process group; "
-                           "one GPU each on a cluster with GPUs); each trains on its share of a step's batch")
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage: 0 none, 1 optimizer state, 2 + "
-                            "gradients, 3 + parameters sharded over the ranks")
+    num_ranks: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="data-parallel learner ranks (one DeepSpeed process group; "
+        "one GPU each on a cluster with GPUs); each trains on its share of a step's batch",
+    )
+    zero_stage: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO stage: 0 none, 1 optimizer state, 2 + "
+        "gradients, 3 + parameters sharded over the ranks",
+    )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate (the peak of the schedule)")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="decay after the warm-up")
     warmup_steps: int = Field(0, ge=0, description="trainer steps of linear lr warm-up")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / lr of the linear and cosine schedules")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    grad_clip: float = Field(1.0, gt=0, description="largest global gradient norm of an optimizer step (clipped "
-                             "above it)")
-    micro_batch_size: int = Field(64, ge=1, description="not used: the learner runs each minibatch whole (see "
-                                  "learner.minibatches)")
+    grad_clip: float = Field(
+        1.0, gt=0, description="largest global gradient norm of an optimizer step (clipped above it)"
+    )
+    micro_batch_size: int = Field(
+        64, ge=1, description="not used: the learner runs each minibatch whole (see learner.minibatches)"
+    )
     epochs: int = Field(1, ge=1, description="passes over each trainer step's batch")
     minibatches: int = Field(1, ge=1, description="shards of each rank's batch per epoch, one optimizer step each")
     threads: int = Field(1, ge=1, description="torch CPU threads of each learner rank")
@@ -178,49 +257,85 @@ class LearnerConfig(Section):
 
 
 class TrainerConfig(Section):
-    steps: int = Field(20, ge=0, description="trainer steps of the run, each: rollout, learner update, weight "
-                       "sync to the rollout workers")
-    prompts_per_step: int = Field(32, ge=1, description="task prompts sampled per step (the rows are these times "
-                                  "the algorithm's responses per prompt)")
-    eval_every: int = Field(10, ge=0, description="held-out evaluation every this many steps, besides before the "
-                            "first and after the last (0: only those)")
-    checkpoint_every: int = Field(0, ge=0, description="checkpoint every this many steps and after the last "
-                                  "(0: no checkpoints, so no resume)")
+    steps: int = Field(
+        20,
+        ge=0,
+        description="trainer steps of the run, each: rollout, learner update, weight sync to the rollout workers",
+    )
+    prompts_per_step: int = Field(
+        32,
+        ge=1,
+        description="task prompts sampled per step (the rows are these times the algorithm's responses per prompt)",
+    )
+    eval_every: int = Field(
+        10,
+        ge=0,
+        description="held-out evaluation every this many steps, besides before the "
+        "first and after the last (0: only those)",
+    )
+    checkpoint_every: int = Field(
+        0, ge=0, description="checkpoint every this many steps and after the last (0: no checkpoints, so no resume)"
+    )
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
-    sync_timeout_s: float = Field(120.0, gt=0, description="the most a weight sync, forming the broadcast group or "
-                                  "placing the vLLM engines may take, in seconds, before the run fails in one line")
-    start_timeout_s: float = Field(600.0, gt=0, description="the most the run's rollout and learner actors may take to "
-                                   "start (a cluster that cannot place them ends the run in one line)")
+    sync_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="the most a weight sync, forming the broadcast group or "
+        "placing the vLLM engines may take, in seconds, before the run fails in one line",
+    )
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="the most the run's rollout and learner actors may take to "
+        "start (a cluster that cannot place them ends the run in one line)",
+    )
     weight_sync: Literal["auto", "shared_memory", "object_store", "broadcast"] = Field(
-        "auto", description="shared_memory: a /dev/shm file on learner rank 0's node the workers there map; "
+        "auto",
+        description="shared_memory: a /dev/shm file on learner rank 0's node the workers there map; "
         "object_store: Ray's object store; auto: shared_memory where every rollout worker is on learner rank 0's "
         "node and /dev/shm has room, else object_store; broadcast: a torch.distributed group from learner rank 0 "
-        "(NCCL with vllm, else gloo)")
-    overlap_rollout: bool = Field(False, description="generate the next step's experience while the learner trains "
-                                  "(one policy version behind; needs buffer.max_staleness >= 1; grpo, rloo)")
+        "(NCCL with vllm, else gloo)",
+    )
+    overlap_rollout: bool = Field(
+        False,
+        description="generate the next step's experience while the learner trains "
+        "(one policy version behind; needs buffer.max_staleness >= 1; grpo, rloo)",
+    )
 
 
 class BufferConfig(Section):
-    max_staleness: int = Field(0, ge=0, description="drop rows more than this many policy versions behind the "
-                               "learner when taken (0: strictly on-policy)")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="drop rows more than this many policy versions behind the "
+        "learner when taken (0: strictly on-policy)",
+    )
     capacity: int = Field(100_000, ge=1, description="most rows held; the oldest go first")
 
 
 class RayConfig(Section):
-    address: Optional[str] = Field(None, description="Ray cluster to join (e.g. auto, or the GCS host:port); null: "
-                                   "$RAY_ADDRESS if set, else an embedded cluster on 127.0.0.1 with token auth")
-    num_cpus: Optional[int] = Field(None, ge=1, description="logical CPUs of the embedded cluster (null: the "
-                                    "machine's; at least 2); not used with an address")
+    address: Optional[str] = Field(
+        None,
+        description="Ray cluster to join (e.g. auto, or the GCS host:port); null: "
+        "$RAY_ADDRESS if set, else an embedded cluster on 127.0.0.1 with token auth",
+    )
+    num_cpus: Optional[int] = Field(
+        None,
+        ge=1,
+        description="logical CPUs of the embedded cluster (null: the machine's; at least 2); not used with an address",
+    )
 
 
 class SandboxConfig(Section):
     """Code execution for tasks that need it (task.name=code): a SandboxPool on Ray."""
 
-    backend: Literal["bwrap", "docker"] = Field("bwrap", description="bwrap: bubblewrap namespaces on the host; "
-                                                "docker: containers through the Docker API")
+    backend: Literal["bwrap", "docker"] = Field(
+        "bwrap", description="bwrap: bubblewrap namespaces on the host; docker: containers through the Docker API"
+    )
     workers: int = Field(2, ge=1, le=256, description="concurrent sandboxed runs")
-    wall_time_s: float = Field(10.0, gt=0, le=600, description="wall-clock limit of one run, in seconds (the "
-                               "paper: 10 s per test)")
+    wall_time_s: float = Field(
+        10.0, gt=0, le=600, description="wall-clock limit of one run, in seconds (the paper: 10 s per test)"
+    )
     cpu_time_s: float = Field(10.0, gt=0, le=600, description="CPU-time limit of one run, in seconds")
     memory_mb: int = Field(1024, ge=64, le=65536, description="memory limit of one run, in MB (the paper: 1 GB)")
 
@@ -229,18 +344,25 @@ class JudgeConfig(Section):
     """The generative judge (actors/judge.py) as a reward source: plan, execution, verdict."""
 
     mode: Literal["pointwise", "pairwise"] = Field(
-        "pointwise", description="pointwise: 'Score: N' mapped to [0, 1]; pairwise: win rates within each group, "
-        "both orders")
+        "pointwise",
+        description="pointwise: 'Score: N' mapped to [0, 1]; pairwise: win rates within each group, both orders",
+    )
     backend: Literal["hf", "vllm"] = Field("hf", description="the judge's generation backend (as rollout.backend)")
     batch_size: int = Field(32, ge=1, description="sequences per generate call")
-    max_plan_tokens: int = Field(64, ge=1, le=4096, description="most tokens of the judge's plan (what to check), "
-                                 "written once per instruction")
-    max_execution_tokens: int = Field(128, ge=1, le=4096, description="most tokens of the judge's execution of its "
-                                      "plan, which ends in the verdict line")
+    max_plan_tokens: int = Field(
+        64, ge=1, le=4096, description="most tokens of the judge's plan (what to check), written once per instruction"
+    )
+    max_execution_tokens: int = Field(
+        128,
+        ge=1,
+        le=4096,
+        description="most tokens of the judge's execution of its plan, which ends in the verdict line",
+    )
     temperature: float = Field(0.0, ge=0, description="the judge's sampling temperature (0: greedy)")
     min_score: int = Field(1, description="pointwise: lowest score the judge is asked for (reward 0)")
-    max_score: int = Field(10, description="pointwise: highest score the judge is asked for (reward 1); above "
-                           "min_score")
+    max_score: int = Field(
+        10, description="pointwise: highest score the judge is asked for (reward 1); above min_score"
+    )
     unparsable_reward: float = Field(0.0, description="pointwise reward of a response whose score is unparsable")
 
     @field_validator("max_score")
@@ -269,15 +391,25 @@ def _model_dir_for(source: str, v, info, required: bool):
 class RewardConfig(Section):
     """Where rewards come from: the task's rule, a sequence-classification reward model, or a judge."""
 
-    source: Literal["rule", "model", "judge"] = Field("rule", description="rule: the task's own reward (its answer "
-                                                      "checker); model: reward.model_dir's score; judge: the "
-                                                      "generative judge's verdict (reward.judge)")
-    model_dir: Optional[str] = Field(None, validate_default=True, description="reward model dir (`rlsys rm train`); "
-                                     "required with reward.source=model")
-    judge_dir: Optional[str] = Field(None, description="judge causal LM dir (reward.source=judge); null: the initial "
-                                     "policy judges")
-    judge: JudgeConfig = Field(JudgeConfig(), description="the judge of reward.source=judge: it writes a plan per "
-                               "instruction, executes it on each response and ends with a verdict")
+    source: Literal["rule", "model", "judge"] = Field(
+        "rule",
+        description="rule: the task's own reward (its answer "
+        "checker); model: reward.model_dir's score; judge: the "
+        "generative judge's verdict (reward.judge)",
+    )
+    model_dir: Optional[str] = Field(
+        None,
+        validate_default=True,
+        description="reward model dir (`rlsys rm train`); required with reward.source=model",
+    )
+    judge_dir: Optional[str] = Field(
+        None, description="judge causal LM dir (reward.source=judge); null: the initial policy judges"
+    )
+    judge: JudgeConfig = Field(
+        JudgeConfig(),
+        description="the judge of reward.source=judge: it writes a plan per "
+        "instruction, executes it on each response and ends with a verdict",
+    )
 
     @field_validator("model_dir")
     @classmethod
@@ -299,24 +431,30 @@ class AlgorithmSection(BaseModel):
 
 class JobConfig(Section):
     run: RunConfig = Field(RunConfig(), description="the run's name, seed and where its directory goes")
-    model: ModelConfig = Field(ModelConfig(), description="the initial policy: a local HF model, or a tiny "
-                               "Llama-family decoder built from these sizes")
-    task: TaskConfig = Field(TaskConfig(), description="the task: its prompts, its rule reward and its held-out "
-                             "split")
+    model: ModelConfig = Field(
+        ModelConfig(),
+        description="the initial policy: a local HF model, or a tiny Llama-family decoder built from these sizes",
+    )
+    task: TaskConfig = Field(TaskConfig(), description="the task: its prompts, its rule reward and its held-out split")
     sft: SFTConfig = Field(SFTConfig(), description="the supervised warm-up on the task's demonstrations before RL")
     rollout: RolloutConfig = Field(RolloutConfig(), description="the rollout workers: backend, sampling and decoding")
-    learner: LearnerConfig = Field(LearnerConfig(), description="the learner ranks: DeepSpeed, optimizer and "
-                                   "schedule")
-    trainer: TrainerConfig = Field(TrainerConfig(), description="the loop: steps, evaluation, checkpoints, weight "
-                                   "sync and timeouts")
+    learner: LearnerConfig = Field(LearnerConfig(), description="the learner ranks: DeepSpeed, optimizer and schedule")
+    trainer: TrainerConfig = Field(
+        TrainerConfig(), description="the loop: steps, evaluation, checkpoints, weight sync and timeouts"
+    )
     buffer: BufferConfig = Field(BufferConfig(), description="the experience buffer between rollout and learner")
     ray: RayConfig = Field(RayConfig(), description="which Ray cluster the run uses")
-    reward: RewardConfig = Field(RewardConfig(), description="where rewards come from: the task's rule, a reward "
-                                 "model or a generative judge")
-    sandbox: SandboxConfig = Field(SandboxConfig(), description="code execution for the tasks that run code (task.name "
-                                   "code, humaneval): a pool of sandboxes on Ray and each run's limits")
-    algorithm: AlgorithmSection = Field(AlgorithmSection(), description="the algorithm, by name, and its own keys "
-                                        "(the algorithm sections below)")
+    reward: RewardConfig = Field(
+        RewardConfig(), description="where rewards come from: the task's rule, a reward model or a generative judge"
+    )
+    sandbox: SandboxConfig = Field(
+        SandboxConfig(),
+        description="code execution for the tasks that run code (task.name "
+        "code, humaneval): a pool of sandboxes on Ray and each run's limits",
+    )
+    algorithm: AlgorithmSection = Field(
+        AlgorithmSection(), description="the algorithm, by name, and its own keys (the algorithm sections below)"
+    )
 
     def algorithm_params(self) -> dict[str, Any]:
         return {k: v for k, v in self.algorithm.model_dump().items() if k != "name"}
@@ -344,20 +482,28 @@ def check_job(cfg: JobConfig, algorithm) -> None:
     name = cfg.algorithm.name
     if cfg.trainer.overlap_rollout:
         if not isinstance(algorithm, TrainsOnStaleRows):
-            raise ConfigError(f"config error: 'trainer.overlap_rollout': algorithm '{name}' needs its "
-                              f"rollout on the current policy (overlap: grpo, rloo)")
+            raise ConfigError(
+                f"config error: 'trainer.overlap_rollout': algorithm '{name}' needs its "
+                f"rollout on the current policy (overlap: grpo, rloo)"
+            )
         if cfg.buffer.max_staleness < 1:
-            raise ConfigError("config error: 'trainer.overlap_rollout' trains on rows one policy version old: "
-                              "set buffer.max_staleness >= 1")
+            raise ConfigError(
+                "config error: 'trainer.overlap_rollout' trains on rows one policy version old: "
+                "set buffer.max_staleness >= 1"
+            )
     policies = policy_names(algorithm)
     if len(policies) > 1 and (cfg.rollout.backend != "hf" or cfg.trainer.weight_sync == "broadcast"):
-        raise ConfigError(f"config error: algorithm '{name}' trains {len(policies)} policies "
-                          f"({', '.join(policies)}): that needs rollout.backend=hf and a trainer.weight_sync other "
-                          f"than broadcast")
+        raise ConfigError(
+            f"config error: algorithm '{name}' trains {len(policies)} policies "
+            f"({', '.join(policies)}): that needs rollout.backend=hf and a trainer.weight_sync other "
+            f"than broadcast"
+        )
     if cfg.task.shaping and cfg.reward.source != "rule":
-        raise ConfigError(f"config error: 'task.shaping' shapes the task's rule reward, but reward.source is "
-                          f"'{cfg.reward.source}' (its scores are not shaped): remove task.shaping or use "
-                          f"reward.source=rule")
+        raise ConfigError(
+            f"config error: 'task.shaping' shapes the task's rule reward, but reward.source is "
+            f"'{cfg.reward.source}' (its scores are not shaped): remove task.shaping or use "
+            f"reward.source=rule"
+        )
 
 
 # ---- the reference: docs/configuration.md ------------------------------------------------------
@@ -389,11 +535,20 @@ def config_reference(algorithms: Mapping[str, type]) -> str:
     out = [REFERENCE_INTRO, "", f"Sections: {sections}", "", f"Algorithms: {names}", ""]
     for name, field in JobConfig.model_fields.items():
         out += _section_doc(name, field.annotation, field.description, name, level=2)
-    out += ["## Rules across sections", "",
-            "Checked by `check_job` (`rlsys/config.py`) when the algorithm is built, before any actor starts:", ""]
+    out += [
+        "## Rules across sections",
+        "",
+        "Checked by `check_job` (`rlsys/config.py`) when the algorithm is built, before any actor starts:",
+        "",
+    ]
     out += [f"- {rule.format(stale=stale)}" for rule in CROSS_SECTION_RULES]
-    out += ["", "## Algorithms", "", "`algorithm.name` picks one; its keys sit beside `name` in the `algorithm` "
-            "section.", ""]
+    out += [
+        "",
+        "## Algorithms",
+        "",
+        "`algorithm.name` picks one; its keys sit beside `name` in the `algorithm` section.",
+        "",
+    ]
     for name in sorted(algorithms):
         config = algorithms[name].Config
         out += _section_doc(f"algorithm.name: {name}", config, _doc_line(config), "algorithm", level=3)

@@ -11,6 +11,7 @@ and tested with `isinstance` by the controller and the learner. tests/test_contr
 that every registered algorithm defines each member of what it declares and has no public
 member that none of them names (a misspelt hook would otherwise never be called).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class RolloutContext(Protocol):
     def sampling(self, **overrides) -> SamplingParams: ...
     def next_seed(self) -> int: ...
     def generate(self, requests: Sequence[GenerationRequest], policy: str | None = None) -> list[Generation]: ...
-    def generate_each(self, requests_by_policy: dict[str, Sequence[GenerationRequest]]) -> dict[str, list[Generation]]: ...
+    def generate_each(
+        self, requests_by_policy: dict[str, Sequence[GenerationRequest]]
+    ) -> dict[str, list[Generation]]: ...
     def score(self, table: pa.Table) -> list[float]: ...
     def ref_logprobs(self, table: pa.Table) -> list[list[float]]: ...
     def score_and_ref_logprobs(self, table: pa.Table) -> tuple[list[float], list[list[float]]]: ...
@@ -158,8 +161,17 @@ class TrainsOnStaleRows:
     (`trainer.overlap_rollout`)."""
 
 
-CAPABILITIES: tuple[type, ...] = (Stateful, ReportsPrepareMetrics, SkipsRowsWithoutGradient, EvaluatesItself,
-                                  HasWarmupTask, HasTeacher, RestartsPolicy, TrainsSeveralPolicies, TrainsOnStaleRows)
+CAPABILITIES: tuple[type, ...] = (
+    Stateful,
+    ReportsPrepareMetrics,
+    SkipsRowsWithoutGradient,
+    EvaluatesItself,
+    HasWarmupTask,
+    HasTeacher,
+    RestartsPolicy,
+    TrainsSeveralPolicies,
+    TrainsOnStaleRows,
+)
 
 
 def policy_names(algorithm: Algorithm) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ with the policy version they were computed on.
 
 No `import ray` at module level: the CLI sets Ray's auth environment first.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -37,9 +38,12 @@ class EvaluatorSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     split: Literal["train", "eval"] = "eval"
     dataset: Optional[str] = Field(None, description="jsonl/parquet of {prompt, answer}; replaces split")
-    metric: str = Field("accuracy", description="'accuracy', 'reward_model', 'judge' or 'module:function' "
-                                                "(row, response_text) -> float")
-    reward_model: Optional[str] = Field(None, validate_default=True, description="reward model dir, metric reward_model")
+    metric: str = Field(
+        "accuracy", description="'accuracy', 'reward_model', 'judge' or 'module:function' (row, response_text) -> float"
+    )
+    reward_model: Optional[str] = Field(
+        None, validate_default=True, description="reward model dir, metric reward_model"
+    )
     judge: Optional[str] = Field(None, validate_default=True, description="judge model dir, metric judge (pointwise)")
     temperature: float = Field(0.0, ge=0, description="0 is greedy")
     n: int = Field(1, ge=1, le=64, description="samples per prompt")
@@ -176,8 +180,16 @@ class EvaluatorWorker:
         s = self.spec
         rows = read_rows(s.dataset, required=("prompt", "answer")) if s.dataset else task.rows(s.split)
         self.rows = rows[: s.limit]
-        self.prompt_ids = [self.tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.rows]
-        self.score = task.is_correct if s.metric == "accuracy" else None if s.metric in MODEL_METRICS else resolve_metric(s.metric)
+        self.prompt_ids = [
+            self.tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.rows
+        ]
+        self.score = (
+            task.is_correct
+            if s.metric == "accuracy"
+            else None
+            if s.metric in MODEL_METRICS
+            else resolve_metric(s.metric)
+        )
         if s.metric == "reward_model":
             from actors.reward import RewardModel  # actor code: only the evaluator worker loads it
 
@@ -194,12 +206,20 @@ class EvaluatorWorker:
         if weights is not None and version != self.worker.version:
             self.worker.load_weights(version, weights)
         s = self.spec
-        params = SamplingParams(n=s.n, max_new_tokens=self.max_new_tokens, temperature=s.temperature, seed=s.seed,
-                                stop_token_ids=(self.tokenizer.eos_token_id,))
+        params = SamplingParams(
+            n=s.n,
+            max_new_tokens=self.max_new_tokens,
+            temperature=s.temperature,
+            seed=s.seed,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+        )
         gens = self.worker.generate([GenerationRequest(p, params) for p in self.prompt_ids])
         texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
         if s.metric in MODEL_METRICS:
-            return {"policy_version": self.worker.version, "metrics": self.model_metric([g.request_index for g in gens], texts)}
+            return {
+                "policy_version": self.worker.version,
+                "metrics": self.model_metric([g.request_index for g in gens], texts),
+            }
         scores = np.array([float(self.score(self.rows[g.request_index], t)) for g, t in zip(gens, texts)])
         out = {s.metric_key: float(scores.mean()), "n": float(len(self.rows))}
         if s.n > 1:  # a prompt passes when any of its n samples scores 1
@@ -264,8 +284,9 @@ class AttachedEvaluators:
 
         name = registry_name(run_name)
         _drop_stale_registry(name, run_name)
-        self.registry = ray.remote(EvalRegistry).options(name=name, namespace=NAMESPACE, num_cpus=0).remote(
-            [], os.getpid())
+        self.registry = (
+            ray.remote(EvalRegistry).options(name=name, namespace=NAMESPACE, num_cpus=0).remote([], os.getpid())
+        )
         self.active: dict[str, tuple[dict, object]] = {}  # name -> (spec, worker actor)
         self.pending: list[tuple[str, int, object]] = []  # (name, step, future)
 
@@ -290,8 +311,11 @@ class AttachedEvaluators:
                 self.pending = [p for p in self.pending if p[0] != name]
         for name, spec in wanted_by_name.items():
             if name not in self.active:
-                actor = ray.remote(EvaluatorWorker).options(num_cpus=0.25).remote(
-                    self.policy_dir, spec, self.task, self.max_new_tokens)
+                actor = (
+                    ray.remote(EvaluatorWorker)
+                    .options(num_cpus=0.25)
+                    .remote(self.policy_dir, spec, self.task, self.max_new_tokens)
+                )
                 self.active[name] = (spec, actor)
 
     def _collect(self, timeout: float) -> list[tuple]:
@@ -312,8 +336,10 @@ class AttachedEvaluators:
                 result = ray.get(fut)
                 rows.append((step, name, result["metrics"], result["policy_version"]))
             except Exception as e:  # a broken evaluator must not stop training
-                print(f"rlsys: evaluator {name} failed at step {step}: {str(e).strip().splitlines()[-1][:300]}",
-                      file=sys.stderr)
+                print(
+                    f"rlsys: evaluator {name} failed at step {step}: {str(e).strip().splitlines()[-1][:300]}",
+                    file=sys.stderr,
+                )
         self.pending = keep
         return rows
 
@@ -360,9 +386,13 @@ def write_cluster_info(run_dir: Path, run_name: str) -> Path:
     host, _, port = gcs.rpartition(":")
     local = host == ray.util.get_node_ip_address()  # the GCS on this machine: reach it on loopback
     info = {
-        "address": f"127.0.0.1:{port}" if local else gcs, "gcs_address": gcs, "namespace": NAMESPACE,
-        "registry": registry_name(run_name), "pid": os.getpid(),
-        "auth_mode": os.environ.get("RAY_AUTH_MODE"), "auth_token_path": os.environ.get("RAY_AUTH_TOKEN_PATH"),
+        "address": f"127.0.0.1:{port}" if local else gcs,
+        "gcs_address": gcs,
+        "namespace": NAMESPACE,
+        "registry": registry_name(run_name),
+        "pid": os.getpid(),
+        "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+        "auth_token_path": os.environ.get("RAY_AUTH_TOKEN_PATH"),
     }
     path = Path(run_dir) / "cluster.json"
     path.write_text(json.dumps(info, indent=1))
@@ -378,9 +408,13 @@ def cluster_info(target: str, address: str | None = None) -> dict:
         try:
             meta = jobs.client(address).get_job_info(target).metadata or {}
         except Exception as e:
-            raise ConfigError(f"evaluator error: job {target} at {address}: {str(e).strip().splitlines()[-1][:200]}") from None
+            raise ConfigError(
+                f"evaluator error: job {target} at {address}: {str(e).strip().splitlines()[-1][:200]}"
+            ) from None
         if "rlsys_run_dir" not in meta:
-            raise ConfigError(f"evaluator error: job {target} was not submitted by `rlsys submit` (no run dir recorded)")
+            raise ConfigError(
+                f"evaluator error: job {target} was not submitted by `rlsys submit` (no run dir recorded)"
+            )
         run_dir = Path(meta["rlsys_run_dir"])
     path = run_dir / "cluster.json"
     if not path.exists():
@@ -400,15 +434,18 @@ def connect(target: str, address: str | None = None):
         try:
             ray.init(address=info["address"], namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
         except Exception as e:
-            raise ConfigError(f"evaluator error: cannot reach the run's cluster at {info['address']} "
-                              f"({str(e).strip().splitlines()[-1][:200]}); is it still running?") from None
+            raise ConfigError(
+                f"evaluator error: cannot reach the run's cluster at {info['address']} "
+                f"({str(e).strip().splitlines()[-1][:200]}); is it still running?"
+            ) from None
     import ray
 
     try:
         return ray.get_actor(info["registry"], namespace=info["namespace"])
     except ValueError:
-        raise ConfigError(f"evaluator error: run {target} is not running (no {info['registry']} on "
-                          f"{info['address']})") from None
+        raise ConfigError(
+            f"evaluator error: run {target} is not running (no {info['registry']} on {info['address']})"
+        ) from None
 
 
 def _call(target: str, address: str | None, method: str, *args):
@@ -420,7 +457,10 @@ def _call(target: str, address: str | None, method: str, *args):
 
 def attach(target: str, spec: EvaluatorSpec, address: str | None = None) -> str:
     replaced = _call(target, address, "attach", spec.model_dump())
-    return f"{'replaced' if replaced else 'attached'} evaluator {spec.name}: from the next step boundary, every {spec.every} steps"
+    return (
+        f"{'replaced' if replaced else 'attached'} evaluator {spec.name}: "
+        f"from the next step boundary, every {spec.every} steps"
+    )
 
 
 def detach(target: str, name: str, address: str | None = None) -> bool:

@@ -3,6 +3,7 @@
 Algorithms may add columns; they may not change these. `make_experience` fills the
 optional columns with nulls so every part can rely on the names being present.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Every backend (transformers now, vLLM on GPU machines) takes `GenerationRequest`s and
 returns one `Generation` per sampled response, in request order, `n` per request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

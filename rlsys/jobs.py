@@ -4,6 +4,7 @@ The job's entrypoint is `python -m rlsys.run.cli run CONFIG ...` with this direc
 working dir; its run dir is written under this directory's `runs/` (an absolute path,
 so on a remote cluster that path must be shared storage, or set run.output_dir).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,16 +31,22 @@ def token_auth_off_loopback(address: str) -> None:
 
     if is_loopback(address):
         return
-    print(f"rlsys: warning: {address} is not a loopback address: using Ray's token authentication "
-          f"(RAY_AUTH_MODE=token)", file=sys.stderr)
+    print(
+        f"rlsys: warning: {address} is not a loopback address: using Ray's token authentication (RAY_AUTH_MODE=token)",
+        file=sys.stderr,
+    )
     if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
-        raise ConfigError(f"job error: {address} is not a loopback address and RAY_AUTH_MODE="
-                          f"{os.environ['RAY_AUTH_MODE']}: a cluster reachable from the network needs token authentication "
-                          f"(unset RAY_AUTH_MODE or set it to token)")
+        raise ConfigError(
+            f"job error: {address} is not a loopback address and RAY_AUTH_MODE="
+            f"{os.environ['RAY_AUTH_MODE']}: a cluster reachable from the network needs token authentication "
+            f"(unset RAY_AUTH_MODE or set it to token)"
+        )
     token_path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
     if not os.environ.get("RAY_AUTH_TOKEN") and not token_path.is_file():
-        raise ConfigError(f"job error: {address} is not a loopback address and no Ray auth token was found "
-                          f"(set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token; looked in {token_path})")
+        raise ConfigError(
+            f"job error: {address} is not a loopback address and no Ray auth token was found "
+            f"(set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token; looked in {token_path})"
+        )
     os.environ["RAY_AUTH_MODE"] = "token"
 
 
@@ -59,7 +66,8 @@ def submit(address: str, config: str, overrides: list[str], workdir: str = ".", 
         try:
             return client(address).submit_job(
                 entrypoint=" ".join(shlex.quote(a) for a in args),
-                runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES}, metadata=metadata,
+                runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES},
+                metadata=metadata,
             )
         except (ConnectionError, RuntimeError) as e:
             # a head node that is still starting refuses connections, then has no job agent for a while

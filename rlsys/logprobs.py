@@ -1,6 +1,7 @@
 """Log-probabilities of a causal LM's own tokens: the forward pass every part shares (the
 learner's policy, the reference and reward workers, the SFT warm-up). Pure tensor code over any
 HF-style model; no actor or algorithm state."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,10 +32,10 @@ class SharedPromptPasses:
     every row's tokens after its prompt, computed on that prompt's keys and values (gradients
     flow back through them)."""
 
-    prefix: Any              # output over the distinct prompts, [P, p, ...]
-    rest: Any                # output over each row's continuation, [B, R, ...]
-    row_of: torch.Tensor     # [B] the row's prompt in `prefix`
-    plen: torch.Tensor       # [B] length of the row's prompt
+    prefix: Any  # output over the distinct prompts, [P, p, ...]
+    rest: Any  # output over each row's continuation, [B, R, ...]
+    row_of: torch.Tensor  # [B] the row's prompt in `prefix`
+    plen: torch.Tensor  # [B] length of the row's prompt
     positions: torch.Tensor  # [B, R] sequence position of each continuation token
 
     def assemble(self, first: torch.Tensor, continuation: torch.Tensor, width: int) -> torch.Tensor:
@@ -58,8 +59,9 @@ class SharedPromptPasses:
         return torch.where(in_prompt, from_prompt, from_rest)
 
 
-def shared_prompt_passes(model, input_ids, attention_mask, plen: torch.Tensor,
-                         **forward_kwargs) -> SharedPromptPasses | None:
+def shared_prompt_passes(
+    model, input_ids, attention_mask, plen: torch.Tensor, **forward_kwargs
+) -> SharedPromptPasses | None:
     """Run each distinct prompt (a row's first `plen[b]` tokens) through `model` once, then every
     row's remaining tokens on its prompt's cache with their true positions. Rows are
     right-padded. None when no prompt repeats or some row has nothing after its prompt (the plain
@@ -80,13 +82,20 @@ def shared_prompt_passes(model, input_ids, attention_mask, plen: torch.Tensor,
     positions = plen[:, None] + torch.arange(int((lengths - plen).max()), device=input_ids.device)[None]  # [B, R]
     real = positions < lengths[:, None]
     rest_ids = torch.where(real, input_ids.gather(1, positions.clamp(max=input_ids.shape[1] - 1)), 0)
-    rest = model(input_ids=rest_ids, attention_mask=torch.cat([prompt_mask[row_of], real.long()], 1),
-                 position_ids=positions, cache=cache, use_cache=True, **forward_kwargs)
+    rest = model(
+        input_ids=rest_ids,
+        attention_mask=torch.cat([prompt_mask[row_of], real.long()], 1),
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        **forward_kwargs,
+    )
     return SharedPromptPasses(prefix, rest, row_of, plen, positions)
 
 
-def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature: float = 1.0,
-                           hidden: bool = False):
+def shared_prompt_logprobs(
+    model, input_ids, attention_mask, response_mask, temperature: float = 1.0, hidden: bool = False
+):
     """`forward_logprobs`' (logits, logprobs[, last hidden state]) for rows that share prompts,
     each distinct prompt run once (`shared_prompt_passes`); the prompt ends where
     `response_mask` starts. Positions before a row's last prompt token are not computed (zeros,
@@ -105,14 +114,18 @@ def shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temp
     return logits, logprobs, passes.assemble(passes.prefix.hidden_states[-1], passes.rest.hidden_states[-1], length)
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask=None, temperature: float = 1.0,
-                      hidden: bool = False):
+def response_logprobs(
+    model, input_ids, attention_mask, response_mask=None, temperature: float = 1.0, hidden: bool = False
+):
     """(scaled logits [B,L-1,V], target logprobs [B,L-1][, last hidden state [B,L,H]]), valid at
     least where `response_mask` is set: prompts that several rows share run once
     (`shared_prompt_logprobs`); without a mask, or with no repeated prompt, the plain forward
     (valid everywhere)."""
-    shared = None if response_mask is None else shared_prompt_logprobs(
-        model, input_ids, attention_mask, response_mask, temperature, hidden)
+    shared = (
+        None
+        if response_mask is None
+        else shared_prompt_logprobs(model, input_ids, attention_mask, response_mask, temperature, hidden)
+    )
     if shared is not None:
         return shared
     out = forward_logprobs(model, input_ids, attention_mask, temperature)

@@ -5,6 +5,7 @@ The tokenizer is always saved in its own folder (`<dir>/tokenizer`) and loaded w
 `PreTrainedTokenizerFast`: with transformers 5.x, `AutoTokenizer` on a folder whose
 config says qwen2 returns Qwen2's tokenizer class with different ids.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,12 +45,20 @@ class TinyModelSpec:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r}: the tiny factory builds {', '.join(ARCHITECTURES)}")
         fields = dict(
-            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.hidden_size // self.num_attention_heads,
-            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
-            sliding_window=None, pad_token_id=getattr(tokenizer, "pad_token_id", 0),
-            bos_token_id=getattr(tokenizer, "bos_token_id", 1), eos_token_id=getattr(tokenizer, "eos_token_id", 2))
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.hidden_size // self.num_attention_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            sliding_window=None,
+            pad_token_id=getattr(tokenizer, "pad_token_id", 0),
+            bos_token_id=getattr(tokenizer, "bos_token_id", 1),
+            eos_token_id=getattr(tokenizer, "eos_token_id", 2),
+        )
         return AutoConfig.for_model(self.architecture, **{**fields, **extra})
 
     @classmethod
@@ -67,7 +76,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequency: 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) if split_digits else byte_level
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

@@ -6,6 +6,7 @@ On a CPU cluster every rollout worker takes half a CPU and the learner ranks no 
 `rollout.backend: vllm` each engine gets a placement-group bundle of
 `rollout.tensor_parallel_size` GPUs and each learner rank one GPU beside them (no colocation).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,16 +29,26 @@ def rollout_actor_options(cfg: JobConfig) -> list[dict]:
 
     gpus, needed = ray.cluster_resources().get("GPU", 0), r.num_workers * r.tensor_parallel_size
     if gpus < needed:
-        raise RunFailed(f"rollout.backend=vllm needs {needed} GPU(s) ({r.num_workers} engine(s) x "
-                        f"rollout.tensor_parallel_size {r.tensor_parallel_size}); the cluster has {gpus:.0f}")
+        raise RunFailed(
+            f"rollout.backend=vllm needs {needed} GPU(s) ({r.num_workers} engine(s) x "
+            f"rollout.tensor_parallel_size {r.tensor_parallel_size}); the cluster has {gpus:.0f}"
+        )
     bundles, strategy = rollout_placement(r.num_workers, r.tensor_parallel_size)
     group = placement_group(bundles, strategy=strategy)
     timeout = cfg.trainer.sync_timeout_s
     if not group.wait(timeout_seconds=timeout):
-        raise RunFailed(f"the cluster cannot place {r.num_workers} vLLM engines of {r.tensor_parallel_size} GPU(s) "
-                        f"each within {timeout:.0f} s (resources: {ray.cluster_resources().get('GPU', 0):.0f} GPUs)")
-    return [dict(num_cpus=b["CPU"], num_gpus=b["GPU"], scheduling_strategy=PlacementGroupSchedulingStrategy(
-        group, placement_group_bundle_index=i)) for i, b in enumerate(bundles)]
+        raise RunFailed(
+            f"the cluster cannot place {r.num_workers} vLLM engines of {r.tensor_parallel_size} GPU(s) "
+            f"each within {timeout:.0f} s (resources: {ray.cluster_resources().get('GPU', 0):.0f} GPUs)"
+        )
+    return [
+        dict(
+            num_cpus=b["CPU"],
+            num_gpus=b["GPU"],
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+        )
+        for i, b in enumerate(bundles)
+    ]
 
 
 def learner_gpus(cfg: JobConfig) -> int:
@@ -45,8 +56,10 @@ def learner_gpus(cfg: JobConfig) -> int:
     r, gpus = cfg.rollout, ray.cluster_resources().get("GPU", 0)
     rollout_gpus = r.num_workers * r.tensor_parallel_size if r.backend == "vllm" else 0
     if gpus and gpus < cfg.learner.num_ranks + rollout_gpus:
-        raise RunFailed(f"the cluster has {gpus:.0f} GPU(s); {cfg.learner.num_ranks} learner rank(s) and "
-                        f"{rollout_gpus} vLLM GPU(s) need one each (no colocation)")
+        raise RunFailed(
+            f"the cluster has {gpus:.0f} GPU(s); {cfg.learner.num_ranks} learner rank(s) and "
+            f"{rollout_gpus} vLLM GPU(s) need one each (no colocation)"
+        )
     return 1 if gpus else 0
 
 
@@ -54,9 +67,12 @@ def vllm_options(cfg: JobConfig, index: int) -> dict | None:
     """The vLLM engine arguments of rollout worker `index` (None for other backends)."""
     if cfg.rollout.backend != "vllm":
         return None
-    return dict(tensor_parallel_size=cfg.rollout.tensor_parallel_size, seed=cfg.run.seed + index,
-                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                dtype="bfloat16" if cfg.learner.bf16 else "auto")
+    return dict(
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        seed=cfg.run.seed + index,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        dtype="bfloat16" if cfg.learner.bf16 else "auto",
+    )
 
 
 def open_weight_broadcast(cfg: JobConfig, learners: list, workers: list) -> None:
@@ -69,11 +85,15 @@ def open_weight_broadcast(cfg: JobConfig, learners: list, workers: list) -> None
     sizes = ray.get([w.weight_sync_ranks.remote() for w in workers])
     world, first = 1 + sum(sizes), np.cumsum([1] + sizes[:-1])
     joins = [learners[0].open_weight_broadcast.remote(addr, port, world, backend, timeout)]
-    joins += [w.open_weight_broadcast.remote(addr, port, int(f), world, backend, timeout) for w, f in zip(workers, first)]
+    joins += [
+        w.open_weight_broadcast.remote(addr, port, int(f), world, backend, timeout) for w, f in zip(workers, first)
+    ]
     ready, pending = ray.wait(joins, num_returns=len(joins), timeout=timeout)
     if pending:
-        raise WeightSyncTimeout(f"the weight-broadcast group ({backend}, {world} members) did not form within "
-                                f"{timeout:.0f} s ({len(pending)} members did not join)")
+        raise WeightSyncTimeout(
+            f"the weight-broadcast group ({backend}, {world} members) did not form within "
+            f"{timeout:.0f} s ({len(pending)} members did not join)"
+        )
     ray.get(ready)
 
 
@@ -81,7 +101,9 @@ def readmit_blocked(cfg: JobConfig) -> str | None:
     """Why a rollout worker that Ray restarted cannot rejoin the broadcast group mid-run (None: it can).
     Rejoining re-forms the group and broadcasts the learner's weights at the version the workers serve."""
     if cfg.trainer.overlap_rollout:
-        return "trainer.overlap_rollout (the learner trains while the workers generate: its weights are a version ahead)"
+        return (
+            "trainer.overlap_rollout (the learner trains while the workers generate: its weights are a version ahead)"
+        )
     if cfg.rollout.backend == "vllm":
         return "rollout.backend=vllm (re-forming an NCCL group around a dead member needs an abort of its communicator)"
     return None
@@ -94,7 +116,8 @@ def acknowledged(acks: list, version: int, timeout: float) -> list:
     if pending:
         raise WeightSyncTimeout(
             f"weight sync to policy version {version} did not complete within {timeout:.0f} s "
-            f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)")
+            f"({len(pending)} of {len(acks)} rollout workers did not acknowledge)"
+        )
     return ready
 
 
@@ -107,7 +130,9 @@ def open_shared_weights(cfg: JobConfig, policies: dict) -> None:
     if mode not in ("auto", "shared_memory"):
         return
     for name, p in policies.items():
-        learner_node, *worker_nodes = ray.get([p.learners[0].node_id.remote(), *[w.node_id.remote() for w in p.workers]])
+        learner_node, *worker_nodes = ray.get(
+            [p.learners[0].node_id.remote(), *[w.node_id.remote() for w in p.workers]]
+        )
         elsewhere = sum(node != learner_node for node in worker_nodes)
         if elsewhere:
             why = f"{elsewhere} of {len(worker_nodes)} rollout workers run on another node than learner rank 0"
@@ -118,5 +143,7 @@ def open_shared_weights(cfg: JobConfig, policies: dict) -> None:
                 continue
             why = shared
         if mode == "shared_memory":
-            raise RunFailed(f"trainer.weight_sync=shared_memory for policy '{name}': {why} "
-                            f"(use trainer.weight_sync=auto or object_store)")
+            raise RunFailed(
+                f"trainer.weight_sync=shared_memory for policy '{name}': {why} "
+                f"(use trainer.weight_sync=auto or object_store)"
+            )

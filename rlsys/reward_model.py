@@ -10,6 +10,7 @@ policy) is trained on
 `save_pretrained` (its tokenizer in DIR/tokenizer) for `reward.source: model` and the
 evaluators' `metric: reward_model`. Pairs of held-out problems measure its accuracy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,27 +76,42 @@ def build_reward_model(tokenizer, spec, seed: int = 0, init_dir: Optional[str] =
         torch.manual_seed(seed)
         if init_dir is not None:
             return AutoModelForSequenceClassification.from_pretrained(
-                init_dir, num_labels=1, local_files_only=True, pad_token_id=tokenizer.pad_token_id)
+                init_dir, num_labels=1, local_files_only=True, pad_token_id=tokenizer.pad_token_id
+            )
         config = spec.config(len(tokenizer), tokenizer, num_labels=1, tie_word_embeddings=False)
         return AutoModelForSequenceClassification.from_config(config)
 
 
-def train_reward_model(model, tokenizer, pairs: Sequence[dict], steps: int, batch_size: int = 32, lr: float = 1e-3,
-                       seed: int = 0, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def train_reward_model(
+    model,
+    tokenizer,
+    pairs: Sequence[dict],
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """AdamW on the Bradley-Terry loss over random minibatches of pairs; returns the losses."""
     prompts = [p["prompt"] for p in pairs]
     chosen = encode_pairs(tokenizer, prompts, [p["chosen"] for p in pairs])
     rejected = encode_pairs(tokenizer, prompts, [p["rejected"] for p in pairs])
-    chosen_lens, rejected_lens = prompt_lengths(tokenizer, prompts, chosen), prompt_lengths(tokenizer, prompts, rejected)
+    chosen_lens, rejected_lens = (
+        prompt_lengths(tokenizer, prompts, chosen),
+        prompt_lengths(tokenizer, prompts, rejected),
+    )
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for step in range(steps):
         idx = torch.randint(len(pairs), (min(batch_size, len(pairs)),), generator=gen).tolist()
-        scores = sequence_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx],  # a pair's prompt runs once
-                                 [chosen_lens[i] for i in idx] + [rejected_lens[i] for i in idx])
-        loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
+        scores = sequence_scores(
+            model,
+            [chosen[i] for i in idx] + [rejected[i] for i in idx],  # a pair's prompt runs once
+            [chosen_lens[i] for i in idx] + [rejected_lens[i] for i in idx],
+        )
+        loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx) :])
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,8 +131,16 @@ def pairwise_accuracy(model, tokenizer, pairs: Sequence[dict]) -> float:
     return sum(c > r for c, r in zip(rc, rr)) / len(pairs)
 
 
-def train_from_config(cfg, out: Path, steps: int, batch_size: int, lr: float, per_row: int,
-                      init_dir: Optional[str] = None, log: Callable[[str], None] = lambda s: None) -> dict:
+def train_from_config(
+    cfg,
+    out: Path,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    per_row: int,
+    init_dir: Optional[str] = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict:
     """The whole job: task, tokenizer (trained on the task, or the init dir's), pairs, training,
     held-out accuracy, `save_pretrained` to `out`. Returns the report saved as out/rm_train.json."""
     start = time.perf_counter()
@@ -127,12 +151,24 @@ def train_from_config(cfg, out: Path, steps: int, batch_size: int, lr: float, pe
     held_out = preference_pairs(task.rows("eval"), task.prompt_text, per_row, cfg.run.seed + 1)
     model = build_reward_model(tokenizer, TinyModelSpec.from_config(cfg.model), cfg.run.seed, init_dir)
     before = pairwise_accuracy(model, tokenizer, held_out)
-    losses = train_reward_model(model, tokenizer, train, steps, batch_size, lr, cfg.run.seed,
-                                on_step=lambda s, l: (s + 1) % 50 == 0 and log(f"step {s + 1}/{steps} loss {l:.4f}"))
+    losses = train_reward_model(
+        model,
+        tokenizer,
+        train,
+        steps,
+        batch_size,
+        lr,
+        cfg.run.seed,
+        on_step=lambda s, l: (s + 1) % 50 == 0 and log(f"step {s + 1}/{steps} loss {l:.4f}"),
+    )
     report = {
-        "train_pairs": len(train), "held_out_pairs": len(held_out), "steps": steps,
-        "first_loss": losses[0] if losses else None, "last_loss": float(sum(losses[-20:]) / max(len(losses[-20:]), 1)),
-        "held_out_accuracy_before": before, "held_out_accuracy": pairwise_accuracy(model, tokenizer, held_out),
+        "train_pairs": len(train),
+        "held_out_pairs": len(held_out),
+        "steps": steps,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": float(sum(losses[-20:]) / max(len(losses[-20:]), 1)),
+        "held_out_accuracy_before": before,
+        "held_out_accuracy": pairwise_accuracy(model, tokenizer, held_out),
         "train_accuracy": pairwise_accuracy(model, tokenizer, train[:512]),
         "seconds": time.perf_counter() - start,
     }
@@ -165,11 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     quiet_transformers()
     torch.set_num_threads(args.threads)
-    report = train_from_config(cfg, Path(args.out), args.steps, args.batch_size, args.lr, args.pairs_per_problem,
-                               args.init, log=lambda s: print(s, file=sys.stderr))
-    print(f"reward model saved to {args.out}: held-out pairwise accuracy {report['held_out_accuracy']:.3f} "
-          f"({report['held_out_pairs']} pairs; {report['held_out_accuracy_before']:.3f} before training), "
-          f"{report['seconds']:.0f} s")
+    report = train_from_config(
+        cfg,
+        Path(args.out),
+        args.steps,
+        args.batch_size,
+        args.lr,
+        args.pairs_per_problem,
+        args.init,
+        log=lambda s: print(s, file=sys.stderr),
+    )
+    print(
+        f"reward model saved to {args.out}: held-out pairwise accuracy {report['held_out_accuracy']:.3f} "
+        f"({report['held_out_pairs']} pairs; {report['held_out_accuracy_before']:.3f} before training), "
+        f"{report['seconds']:.0f} s"
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
 """Run logging: metrics.jsonl, evals.jsonl and TensorBoard event files in the run dir."""
+
 from __future__ import annotations
 
 import json

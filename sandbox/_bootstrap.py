@@ -9,6 +9,7 @@ import resource
 import signal
 import sys
 
+
 def wipe(path):
     try:
         names = os.listdir(path)
@@ -103,8 +104,9 @@ if pid == 0:
         # `python3 -E -s SCRIPT` (this interpreter's own flags) runs here, in the forked child,
         # as a fresh interpreter would run it: a second interpreter start costs ~15 ms a job.
         # Not for a job with secret files: a fork of this process holds the whole payload.
-        in_process = (argv[0] == sys.executable and argv[1:3] == ["-E", "-s"] and len(argv) == 4
-                      and not job.get("secret_files"))
+        in_process = (
+            argv[0] == sys.executable and argv[1:3] == ["-E", "-s"] and len(argv) == 4 and not job.get("secret_files")
+        )
         if not in_process:
             os.execv(argv[0], argv)
         with open(argv[3], "rb") as f:

@@ -28,8 +28,14 @@ import time
 PROGRAM_PATH = list(sys.path)  # the program imports its own modules from the work dir, as python3 main.py would
 # The judge imports (lazily, after the program started) only from directories the program cannot
 # write (its work dir above all; as root, where access() says yes to all, the work dir only).
-sys.path[:] = [p for p in sys.path if p and os.path.isdir(p) and os.path.realpath(p) != os.path.realpath(".")
-               and (os.geteuid() == 0 or not os.access(p, os.W_OK))]
+sys.path[:] = [
+    p
+    for p in sys.path
+    if p
+    and os.path.isdir(p)
+    and os.path.realpath(p) != os.path.realpath(".")
+    and (os.geteuid() == 0 or not os.access(p, os.W_OK))
+]
 if hasattr(sys, "set_int_max_str_digits"):
     sys.set_int_max_str_digits(0)  # a big integer answer crosses as JSON text
 TESTS_FILE, TESTS_FD = "_rlsys_tests.json", os.environ.pop("RLSYS_TESTS_FD", None)
@@ -81,7 +87,7 @@ def decode(data, handle):
     t = type(data)
     if data is None or t is bool or t is int or t is float or t is str:
         return data
-    (tag, v), = data.items()  # a dict of one item, or this raises
+    ((tag, v),) = data.items()  # a dict of one item, or this raises
     dec = lambda items: [decode(x, handle) for x in items]  # noqa: E731
     if tag in "ltsfq" and type(v) is not list:
         raise ValueError("malformed %s" % tag)
@@ -103,12 +109,15 @@ def decode(data, handle):
         return range(*(int.__index__(x) for x in v))
     if tag == "q":
         import collections
+
         return collections.deque(dec(v))
     if tag == "F":
         import fractions
+
         return fractions.Fraction(int.__index__(v[0]), int.__index__(v[1]))
     if tag == "D":
         import decimal
+
         return decimal.Decimal(str.__str__(v))
     if tag in ("h", "m"):
         return handle(tag, v)
@@ -121,6 +130,7 @@ def send(stream, message):
 
 
 # ---------------------------------------------------------------- the program's process
+
 
 def program_process(requests, replies):
     """Wait for "go", run main.py as `__main__`, send its globals, then apply the judge's
@@ -168,12 +178,49 @@ def program_process(requests, replies):
     def is_instance(value, cls):
         return isinstance(value, cls)
 
-    requests_api = {"call": call, "getattr": getattr, "setattr": setattr, "delattr": delattr,
-                    "getitem": operator.getitem, "setitem": operator.setitem, "delitem": operator.delitem,
-                    "iter": iter, "next": next, "len": len, "repr": repr, "str": str, "isinstance": is_instance,
-                    "int": int, "float": float, "index": operator.index}
-    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_", "xor",
-                 "lshift", "rshift", "neg", "pos", "abs", "invert", "eq", "ne", "lt", "le", "gt", "ge"):
+    requests_api = {
+        "call": call,
+        "getattr": getattr,
+        "setattr": setattr,
+        "delattr": delattr,
+        "getitem": operator.getitem,
+        "setitem": operator.setitem,
+        "delitem": operator.delitem,
+        "iter": iter,
+        "next": next,
+        "len": len,
+        "repr": repr,
+        "str": str,
+        "isinstance": is_instance,
+        "int": int,
+        "float": float,
+        "index": operator.index,
+    }
+    for name in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and_",
+        "or_",
+        "xor",
+        "lshift",
+        "rshift",
+        "neg",
+        "pos",
+        "abs",
+        "invert",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+    ):
         requests_api[name] = getattr(operator, name)
 
     if not requests.readline():
@@ -186,8 +233,16 @@ def program_process(requests, replies):
     try:
         with open("main.py", "rb") as f:
             exec(compile(f.read(), "main.py", "exec"), main.__dict__)
-        reply = ["ready", {"d": [[k, encoded(v)] for k, v in list(main.__dict__.items())
-                                 if not (k.startswith("__") and k.endswith("__"))]}]
+        reply = [
+            "ready",
+            {
+                "d": [
+                    [k, encoded(v)]
+                    for k, v in list(main.__dict__.items())
+                    if not (k.startswith("__") and k.endswith("__"))
+                ]
+            },
+        ]
     except SystemExit as e:
         reply = ["ready", {}] if e.code in (None, 0) else raised(e)
     except BaseException as e:  # noqa: BLE001 - reported to the judge, which fails every test
@@ -253,9 +308,11 @@ else:
 
 def reporter(nonce, out, write=os.write, dumps=json.dumps):
     """`report(name, passed, message)`; the nonce lives only in this closure."""
+
     def report(name, passed, message=""):
         line = "%s %s\n" % (nonce, dumps({"name": name, "passed": passed, "message": message[-2000:]}))
         write(out, line.encode())
+
     return report
 
 
@@ -282,15 +339,22 @@ def gone(during):
             os.kill(CHILD, 9)
             os.waitpid(CHILD, 0)
             status = None
-        how = ("closed its pipe to the judge" if status is None else "killed by signal %d" % os.WTERMSIG(status)
-               if os.WIFSIGNALED(status) else "exited (code %d)" % os.WEXITSTATUS(status))
+        how = (
+            "closed its pipe to the judge"
+            if status is None
+            else "killed by signal %d" % os.WTERMSIG(status)
+            if os.WIFSIGNALED(status)
+            else "exited (code %d)" % os.WEXITSTATUS(status)
+        )
         GONE.append("the program's process %s %s" % (how, during))
     raise ProgramGone(GONE[0])
 
 
 def not_plain(value):
-    raise TypeError("only plain values (numbers, strings, bytes, containers of them) and the program's own "
-                    "objects can be passed to the program, not %s" % type(value).__name__)
+    raise TypeError(
+        "only plain values (numbers, strings, bytes, containers of them) and the program's own "
+        "objects can be passed to the program, not %s" % type(value).__name__
+    )
 
 
 def as_request(value):
@@ -365,8 +429,10 @@ def ask(name, *args, during="during this test"):
 
 
 def refuse(obj, what):
-    raise AssertionError("an object of the program's class %s stands where a plain value is expected: its own "
-                         "%s is not trusted" % (obj._rlsys_type, what))
+    raise AssertionError(
+        "an object of the program's class %s stands where a plain value is expected: its own "
+        "%s is not trusted" % (obj._rlsys_type, what)
+    )
 
 
 class ProgramObject:
@@ -376,6 +442,7 @@ class ProgramObject:
     (AssertionError), because the program's methods would answer for the test. Without them its
     truth is Python's default, True (the program's process says which: a lie buys no more than
     returning a bare `object()` would)."""
+
     __slots__ = ("_rlsys_id", "_rlsys_type", "_rlsys_default_truth")
 
     def __init__(self, idx, type_name, default_truth=False):
@@ -434,10 +501,37 @@ def request_method(name, reflected=False):
     return lambda self, *args: ask(name, self, *args)
 
 
-for _name in ("len", "iter", "next", "getitem", "setitem", "delitem", "int", "float", "index",
-              "neg", "pos", "abs", "invert"):
+for _name in (
+    "len",
+    "iter",
+    "next",
+    "getitem",
+    "setitem",
+    "delitem",
+    "int",
+    "float",
+    "index",
+    "neg",
+    "pos",
+    "abs",
+    "invert",
+):
     setattr(ProgramObject, "__%s__" % _name, request_method(_name))
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_", "xor", "lshift", "rshift"):
+for _name in (
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "matmul",
+    "and_",
+    "or_",
+    "xor",
+    "lshift",
+    "rshift",
+):
     setattr(ProgramObject, "__%s__" % _name.rstrip("_"), request_method(_name))
     setattr(ProgramObject, "__r%s__" % _name.rstrip("_"), request_method(_name, reflected=True))
 
@@ -447,6 +541,7 @@ def comparison(name, what):
         if type(other) is ProgramObject:
             return ask(name, self, other)
         refuse(self, what)
+
     return compare
 
 
@@ -507,18 +602,33 @@ for i, t in enumerate(ios):
     name = t["name"] or "case_%d" % i
     timeout = max(0.01, min(t["timeout_s"] or spec["wall_time_s"], deadline - time.monotonic()))
     try:
-        p = subprocess.run([sys.executable, "-E", "-s", "main.py"], input=t["stdin"].encode(),
-                           capture_output=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-E", "-s", "main.py"], input=t["stdin"].encode(), capture_output=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         report(name, False, "timed out after %.1f s" % timeout)
         continue
     got = p.stdout.decode("utf-8", "replace")
-    want, have = [l.rstrip() for l in t["expected_stdout"].rstrip().splitlines()], [l.rstrip() for l in got.rstrip().splitlines()]
+    want, have = (
+        [l.rstrip() for l in t["expected_stdout"].rstrip().splitlines()],
+        [l.rstrip() for l in got.rstrip().splitlines()],
+    )
     if p.returncode != 0:
         report(name, False, "exit code %d\n%s" % (p.returncode, p.stderr.decode("utf-8", "replace")[-1000:]))
     elif want != have:
-        n = next((k for k in range(max(len(want), len(have))) if k >= len(want) or k >= len(have) or want[k] != have[k]), 0)
-        report(name, False, "line %d: expected %s, got %s" % (n + 1, short(want[n] if n < len(want) else "<end of output>"), short(have[n] if n < len(have) else "<end of output>")))
+        n = next(
+            (k for k in range(max(len(want), len(have))) if k >= len(want) or k >= len(have) or want[k] != have[k]), 0
+        )
+        report(
+            name,
+            False,
+            "line %d: expected %s, got %s"
+            % (
+                n + 1,
+                short(want[n] if n < len(want) else "<end of output>"),
+                short(have[n] if n < len(have) else "<end of output>"),
+            ),
+        )
     else:
         report(name, True)
 

@@ -1,5 +1,6 @@
 """Every backend by name: an explicit table. It imports the backends; they and base.py (what
 they share) import none of it, so there is no import cycle and no registration on import."""
+
 from __future__ import annotations
 
 from typing import Callable

@@ -1,6 +1,7 @@
 """The backend protocol and what every backend shares: checking a request, packing it for the
 in-sandbox bootstrap, naming the outcome's status, and whether an engine is usable here. The
 backends by name are in backends.py (this module imports no backend)."""
+
 from __future__ import annotations
 
 import base64
@@ -127,7 +128,7 @@ def bootstrap_argv(job: dict) -> list[str]:
     b64 = lambda data: base64.b64encode(data).decode()
     job = {**job, "files": {k: b64(v) for k, v in job["files"].items()}, "stdin": b64(job["stdin"])}
     blob = base64.b64encode(json.dumps(job).encode()).decode()
-    return [PYTHON, "-E", "-s", "-c", BOOTSTRAP, *(blob[i:i + ARG_CHUNK] for i in range(0, len(blob), ARG_CHUNK))]
+    return [PYTHON, "-E", "-s", "-c", BOOTSTRAP, *(blob[i : i + ARG_CHUNK] for i in range(0, len(blob), ARG_CHUNK))]
 
 
 OOM_MARK = "rlsys-bootstrap: oom_kill="
@@ -146,8 +147,9 @@ def decode(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-def outcome(exit_code: int | None, *, timed_out: bool, output_exceeded: bool, oom: bool,
-            stderr: str, limits: Limits) -> tuple[str, str]:
+def outcome(
+    exit_code: int | None, *, timed_out: bool, output_exceeded: bool, oom: bool, stderr: str, limits: Limits
+) -> tuple[str, str]:
     """(status, reason) for a finished job. Exit codes above 128 are 128 + the signal
     that killed the job (the bootstrap reports them that way)."""
     if timed_out:
@@ -194,7 +196,10 @@ def unavailable(name: str, **config) -> str:
             finally:
                 client.close()
         except Exception as e:  # noqa: BLE001 - any failure is the reason
-            return f"Docker-API engine unusable ({os.environ.get('DOCKER_HOST', 'default socket')}): {type(e).__name__}: {e}"[:300]
+            return (
+                f"Docker-API engine unusable ({os.environ.get('DOCKER_HOST', 'default socket')}): "
+                f"{type(e).__name__}: {e}"
+            )[:300]
         return ""
     if name == "subprocess-unsafe":
         return ""  # runs on the host: nothing to set up

@@ -6,6 +6,7 @@ memfds (`--file FD`, closed before the job starts; the test runner's tests and n
 a pipe instead), stdin is a memfd, the rlimits are set
 by the shell that execs bwrap, and the pid namespace takes every leftover process down
 with the job. One interpreter start per run instead of two."""
+
 from __future__ import annotations
 
 import os
@@ -25,10 +26,12 @@ NOBODY = 65534
 # Put this shell in the job's cgroups (as root), set the job's rlimits, then exec (setpriv
 # to nobody, then) bwrap: every process of the job is inside the cgroup and under the limits
 # from its first instruction. dash's `ulimit -f` counts 512-byte blocks.
-JOIN_LIMIT_EXEC = ('fail() {{ echo "rlsys-bootstrap: $1" >&2; exit 125; }}; '
-                   'for p in $RLSYS_CGROUP_PROCS; do echo $$ > "$p" || fail "cannot join cgroup $p"; done; '
-                   'ulimit -S -t {cpu} && ulimit -H -t {cpu_hard} && ulimit -f {fsize_blocks} && ulimit -n {nofile} '
-                   '&& ulimit -c 0 || fail "cannot set the rlimits"; exec "$@"')
+JOIN_LIMIT_EXEC = (
+    'fail() {{ echo "rlsys-bootstrap: $1" >&2; exit 125; }}; '
+    'for p in $RLSYS_CGROUP_PROCS; do echo $$ > "$p" || fail "cannot join cgroup $p"; done; '
+    "ulimit -S -t {cpu} && ulimit -H -t {cpu_hard} && ulimit -f {fsize_blocks} && ulimit -n {nofile} "
+    '&& ulimit -c 0 || fail "cannot set the rlimits"; exec "$@"'
+)
 
 
 class BwrapBackend(base.BaseBackend):
@@ -56,15 +59,35 @@ class BwrapBackend(base.BaseBackend):
         `tests_fd`: a pipe holding the test runner's secret file (`harness.TESTS_FD_ENV`)."""
         tmpfs = str(limits.tmpfs_mb << 20)
         cmd = [
-            self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
-            "--hostname", "sandbox", "--clearenv",
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--hostname",
+            "sandbox",
+            "--clearenv",
         ]
         for k, v in base.ENV.items():
             cmd += ["--setenv", k, v]
         if tests_fd is not None:
             cmd += ["--setenv", harness.TESTS_FD_ENV, str(tests_fd)]
-        cmd += ["--ro-bind", self.rootfs, "/", "--dev", "/dev", "--proc", "/proc",
-                "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/work"]
+        cmd += [
+            "--ro-bind",
+            self.rootfs,
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--size",
+            tmpfs,
+            "--tmpfs",
+            "/tmp",
+            "--size",
+            tmpfs,
+            "--tmpfs",
+            "/work",
+        ]
         dirs = sorted({str(p) for name in file_fds for p in PurePosixPath(name).parents if str(p) != "."})
         for d in dirs:
             cmd += ["--dir", f"/work/{d}"]
@@ -86,16 +109,23 @@ class BwrapBackend(base.BaseBackend):
                     f.write(data)
             except OSError:  # the job ended before reading it all
                 pass
+
         threading.Thread(target=fill, name="bwrap-tests-pipe", daemon=True).start()
         return read_fd
 
     def _execute(self, job: dict, limits: Limits) -> ExecResult:
         cg = JobCgroup.create(f"job-{uuid.uuid4().hex[:12]}", limits) if self.cgroups and self.root else None
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-               "RLSYS_CGROUP_PROCS": " ".join(map(str, cg.procs)) if cg else ""}
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "RLSYS_CGROUP_PROCS": " ".join(map(str, cg.procs)) if cg else "",
+        }
         lim = job["limits"]
-        script = JOIN_LIMIT_EXEC.format(cpu=lim["cpu_s"], cpu_hard=lim["cpu_s"] + 1,  # SIGXCPU, then SIGKILL
-                                        fsize_blocks=max(1, lim["fsize"] // 512), nofile=lim["nofile"])
+        script = JOIN_LIMIT_EXEC.format(
+            cpu=lim["cpu_s"],
+            cpu_hard=lim["cpu_s"] + 1,  # SIGXCPU, then SIGKILL
+            fsize_blocks=max(1, lim["fsize"] // 512),
+            nofile=lim["nofile"],
+        )
         secret = [name for name in job.get("secret_files", ()) if name in job["files"]]
         file_fds = {name: memfd(name, data) for name, data in job["files"].items() if name not in secret}
         # bwrap's pid 1 inside the sandbox copies each --file and keeps it in its memory, which
@@ -105,9 +135,16 @@ class BwrapBackend(base.BaseBackend):
         start = time.monotonic()
         try:
             passed = [*file_fds.values(), *([tests_fd] if tests_fd is not None else [])]
-            proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *self.command(job, limits, file_fds, tests_fd)],
-                                    stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                    start_new_session=True, close_fds=True, pass_fds=passed)
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", script, "sh", *self.command(job, limits, file_fds, tests_fd)],
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=passed,
+            )
         finally:
             for fd in [stdin, *passed]:
                 os.close(fd)
@@ -137,7 +174,9 @@ class BwrapBackend(base.BaseBackend):
             if cg:
                 cg.remove()
         stderr = base.decode(got.stderr)
-        status, why = base.outcome(code, timed_out=got.timed_out, output_exceeded=got.output_exceeded,
-                                   oom=oom, stderr=stderr, limits=limits)
-        return ExecResult(status, code, base.decode(got.stdout), stderr, got.stdout_truncated,
-                          got.stderr_truncated, wall, error=why)
+        status, why = base.outcome(
+            code, timed_out=got.timed_out, output_exceeded=got.output_exceeded, oom=oom, stderr=stderr, limits=limits
+        )
+        return ExecResult(
+            status, code, base.decode(got.stdout), stderr, got.stdout_truncated, got.stderr_truncated, wall, error=why
+        )

@@ -1,6 +1,7 @@
 """One cgroup per job: memory, pids and cpu limits, an out-of-memory report, and a kill
 that reaches the whole tree. Handles cgroup v2, v1, and the hybrid layout (v1
 controllers plus a v2 tree whose `cgroup.kill` works) found on some VMs."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,7 @@ def _mkdir(path: Path) -> bool:
 
 
 def layout() -> str:
-    """"v2", "v1" or "none" (no writable cgroup tree)."""
+    """ "v2", "v1" or "none" (no writable cgroup tree)."""
     if (ROOT / "cgroup.controllers").exists():
         return "v2" if os.access(ROOT, os.W_OK) else "none"
     if os.access(ROOT / "memory", os.W_OK) and os.access(ROOT / "pids", os.W_OK):

@@ -1,4 +1,5 @@
 """`sandbox run FILE` and `sandbox image` (the rlsys CLI mounts these as `rlsys sandbox`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,11 @@ def main(argv: list[str]) -> int:
     try:
         backend = make_backend(args.backend, **config)
     except Exception as e:  # noqa: BLE001 - one line, not a traceback
-        print(f"sandbox: the {args.backend} backend is unusable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr)
+        print(
+            f"sandbox: the {args.backend} backend is unusable: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            file=sys.stderr,
+        )
         return 2
     try:
         result = backend.run(ExecRequest(code, stdin=stdin, limits=limits, id=os.path.basename(args.file)))

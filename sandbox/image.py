@@ -1,5 +1,6 @@
 """The sandbox root filesystem (debootstrap, cached by its recipe) and the engine image
 made from it (imported through the Docker Engine API, so Docker and podman alike)."""
+
 from __future__ import annotations
 
 import fcntl
@@ -45,8 +46,11 @@ def build_rootfs(cache_dir: Path | None = None, mirror: str = MIRROR, log=print)
         shutil.rmtree(build, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
         log(f"sandbox rootfs: debootstrap {SUITE} ({VARIANT}, {', '.join(PACKAGES)}) into {build}")
-        subprocess.run(["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",
-                        SUITE, str(build), mirror], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}", SUITE, str(build), mirror],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         finish_rootfs(build)
         os.rename(build, final)
     log(f"sandbox rootfs: built at {final}")

@@ -1,6 +1,7 @@
 """A pool of sandbox workers on Ray: a bound on concurrent runs (one per worker), a queue
 for the rest, a per-run deadline enforced from outside the worker, a dead or stuck
 worker replaced (a dead worker's run is retried once), and metrics."""
+
 from __future__ import annotations
 
 import os
@@ -71,8 +72,9 @@ class SandboxPool:
     concurrency is `workers`, not Ray's CPU count. A worker that has not answered
     `grace_s` after its run's wall limit is taken as stuck and replaced."""
 
-    def __init__(self, backend: str = "bwrap", workers: int = 4, num_cpus: float = 0, grace_s: float = GRACE_S,
-                 **config):
+    def __init__(
+        self, backend: str = "bwrap", workers: int = 4, num_cpus: float = 0, grace_s: float = GRACE_S, **config
+    ):
         self.backend, self.config, self.num_cpus, self.grace_s = backend, config, num_cpus, grace_s
         self.workers = [self._spawn() for _ in range(workers)]
         self.metrics = PoolMetrics()
@@ -117,18 +119,22 @@ class SandboxPool:
                         self.metrics.retries += 1
                         queue.appendleft((i, 1))
                     else:
-                        results[i] = ExecResult("error", error=f"sandbox worker died twice: {one_line(e)}",
-                                                id=requests[i].id)
+                        results[i] = ExecResult(
+                            "error", error=f"sandbox worker died twice: {one_line(e)}", id=requests[i].id
+                        )
                 except ray.exceptions.RayTaskError as e:
                     idle.append(worker)
-                    results[i] = ExecResult("error", error=f"sandbox worker failed: {one_line(e.cause)}", id=requests[i].id)
+                    results[i] = ExecResult(
+                        "error", error=f"sandbox worker failed: {one_line(e.cause)}", id=requests[i].id
+                    )
             now = time.monotonic()
             for ref, (i, _, worker, deadline) in list(inflight.items()):
                 if now >= deadline:  # the worker ignored its own wall limit: stuck
                     del inflight[ref]
                     idle.append(self._replace(worker))
-                    results[i] = ExecResult("timeout", error="sandbox worker unresponsive past the wall time limit",
-                                            id=requests[i].id)
+                    results[i] = ExecResult(
+                        "timeout", error="sandbox worker unresponsive past the wall time limit", id=requests[i].id
+                    )
         self.metrics.busy_s += time.monotonic() - t0
         self.metrics.runs += len(requests)
         self.metrics.statuses.update(r.status for r in results)

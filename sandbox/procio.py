@@ -1,4 +1,5 @@
 """Reading a job's stdout and stderr with a byte cap and a wall-clock deadline."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ class Collected:
     output_exceeded: bool
 
 
-def collect(proc: subprocess.Popen, cap: int, deadline: float, kill: Callable[[], None],
-            drain_s: float = 0.5) -> Collected:
+def collect(
+    proc: subprocess.Popen, cap: int, deadline: float, kill: Callable[[], None], drain_s: float = 0.5
+) -> Collected:
     """Read both pipes until EOF, keeping `cap` bytes of each. Past the deadline or the
     cap, call `kill` (it must end the whole job) and drain for at most `drain_s` more,
     because a leftover grandchild may hold the pipes open."""
@@ -57,7 +59,7 @@ def collect(proc: subprocess.Popen, cap: int, deadline: float, kill: Callable[[]
             room = cap - len(bufs[fd])
             if len(chunk) > room:
                 over[fd] = True
-            bufs[fd] += chunk[:max(room, 0)]
+            bufs[fd] += chunk[: max(room, 0)]
             if over[fd] and not killed:
                 exceeded = True
                 kill()
@@ -73,6 +75,6 @@ def memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd

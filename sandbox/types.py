@@ -1,4 +1,5 @@
 """The request and result shapes every backend, the pool and the harness agree on."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

@@ -2,6 +2,7 @@
 its argv run there, nothing else (no isolation, no limits but the wall time): the program
 sees the host, its network and its files. It exists only as the speed floor the benchmark
 compares the real backends against."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,15 @@ class UnsafeSubprocessBackend(base.BaseBackend):
         stdin = memfd("stdin", job["stdin"])
         start = time.monotonic()
         try:
-            proc = subprocess.Popen(job["argv"], cwd=work, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, env={**base.ENV, "HOME": work})
+            proc = subprocess.Popen(
+                job["argv"],
+                cwd=work,
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env={**base.ENV, "HOME": work},
+            )
         finally:
             os.close(stdin)
 
@@ -48,7 +56,16 @@ class UnsafeSubprocessBackend(base.BaseBackend):
             proc.stderr.close()
             shutil.rmtree(work, ignore_errors=True)
         stderr = base.decode(got.stderr)
-        status, why = base.outcome(code, timed_out=got.timed_out, output_exceeded=got.output_exceeded,
-                                   oom=False, stderr=stderr, limits=limits)
-        return ExecResult(status, code, base.decode(got.stdout), stderr, got.stdout_truncated,
-                          got.stderr_truncated, time.monotonic() - start, error=why)
+        status, why = base.outcome(
+            code, timed_out=got.timed_out, output_exceeded=got.output_exceeded, oom=False, stderr=stderr, limits=limits
+        )
+        return ExecResult(
+            status,
+            code,
+            base.decode(got.stdout),
+            stderr,
+            got.stdout_truncated,
+            got.stderr_truncated,
+            time.monotonic() - start,
+            error=why,
+        )

@@ -1,6 +1,6 @@
 """Shared fixtures. One embedded Ray cluster per test session (ray.init costs 6-9 s)."""
+
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,13 @@ def _ray_auth_before_any_import() -> None:
 
 
 _ray_auth_before_any_import()
+
+
+def pytest_collection_modifyitems(items):
+    """A test that uses the Ray cluster is an integration test (`make test-fast` leaves them out)."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,26 @@
 """Stand-ins for tests about an algorithm's own rollout logic, not about sampling (they say so)."""
+
 import dataclasses
 
 import numpy as np
 
 from rlsys.generation import Generation, SamplingParams
+
+# a two-step job on a tiny model and task, one rollout worker (overrides of a config in configs/)
+TINY_ONE_WORKER = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "task.num_train=200",
+    "task.num_eval=16",
+    "task.max_value=9",
+    "sft.steps=5",
+    "trainer.prompts_per_step=4",
+    "trainer.eval_every=2",
+    "rollout.max_new_tokens=4",
+    "rollout.num_workers=1",
+    "trainer.steps=2",
+]
 
 
 class TwoTokenContext:
@@ -28,9 +45,18 @@ class TwoTokenContext:
 
     def generate(self, requests):
         self.requests += requests
-        return [Generation(i, list(r.prompt_ids), [int(self.rng.integers(3, 9)), 2], [-1.0, -0.5], "stop",
-                           embedding=self.rng.standard_normal(self.embedding_dim).tolist() if self.embedding_dim else None)
-                for i, r in enumerate(requests) for _ in range(r.params.n)]
+        return [
+            Generation(
+                i,
+                list(r.prompt_ids),
+                [int(self.rng.integers(3, 9)), 2],
+                [-1.0, -0.5],
+                "stop",
+                embedding=self.rng.standard_normal(self.embedding_dim).tolist() if self.embedding_dim else None,
+            )
+            for i, r in enumerate(requests)
+            for _ in range(r.params.n)
+        ]
 
     def score_and_ref_logprobs(self, table):
         return self.score(table), self.ref_logprobs(table)

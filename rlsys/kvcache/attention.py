@@ -10,6 +10,7 @@ tier, `K_t`/`V_t` the pairs of the tokens decoded this step.
 * next top-k: `kappa_{t+1} = ArgTopK(A[spec])` over the quantised rows, where `A[spec]` is
   the speculative token's row, averaged over the query heads that share a KV head (GQA).
 """
+
 from __future__ import annotations
 
 import torch

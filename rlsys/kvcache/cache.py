@@ -21,6 +21,7 @@ Phases (set by the decode loop in `generate.py`; SpeCache Algorithms 1-3):
     quantised rows picks the next top-k, which a background thread gathers from the slow
     tier while the remaining layers and the sampling of this step run.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -170,7 +171,9 @@ class SpeCacheLayer(CacheLayerMixin):
         g, batch = cfg.group_size, self.window_keys.shape[0]
         keys, values = self.window_keys[:, :, :g], self.window_values[:, :, :g]
         valid = self.owner.valid[:, self.n_quant : self.n_quant + g].reshape(batch, 1, 1, g, 1)
-        key_q = quantize(keys.reshape(batch, self.heads, 1, g, self.dim), cfg.bits, dim=-2, valid=valid, meta_dtype=cfg.meta_dtype)
+        key_q = quantize(
+            keys.reshape(batch, self.heads, 1, g, self.dim), cfg.bits, dim=-2, valid=valid, meta_dtype=cfg.meta_dtype
+        )
         value_q = quantize(values, cfg.bits, dim=-1, meta_dtype=cfg.meta_dtype)
         self.key_q = _append(self.key_q, key_q, dim=2)
         self.value_q = _append(self.value_q, value_q, dim=2)
@@ -243,12 +246,16 @@ class SpeCache(Cache):
         self.stats.slow_tier_bytes = self.stats.full_cache_bytes = self.slow_tier_bytes()
 
 
-def specache_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, *, specache: SpeCache, **kwargs):
+def specache_attention(
+    module, query, key, value, attention_mask, scaling, dropout=0.0, *, specache: SpeCache, **kwargs
+):
     """Attention interface "specache": exact SDPA for the prompt; for decode steps the
     explicit `A = MaskedSoftmax(QK^T)`, `O = AV` over the mixed tier, handing the last
     query row's `A` (the speculative token, or x_1 in PREDECODE) to the cache's top-k."""
     if specache.phase == PREFILL:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     out, probs = attention_with_probs(query, key, value, attention_mask, scaling)
     specache.after_attention(module.layer_idx, probs[:, :, -1])
     return out.transpose(1, 2).contiguous(), None

@@ -8,6 +8,7 @@ greedy, unscaled logits), 0 after EOS. Sampling is temperature, then vocabulary 
 (`top_k`, 0 = off), then nucleus (`top_p`), as in transformers' `generate`. `eos_token_id`
 may be one id or several (stop ids).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,7 +40,9 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, g
         probs = probs.masked_fill(probs < probs.topk(top_k, dim=-1).values[:, -1:], 0.0)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p * sorted_p.sum(-1, keepdim=True)  # keep the smallest prefix with mass >= top_p
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p * sorted_p.sum(
+            -1, keepdim=True
+        )  # keep the smallest prefix with mass >= top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
@@ -74,7 +77,15 @@ class _Outputs:
 def _forward(model, ids, valid_past, valid_new, positions, cache, keep, **extra):
     mask = causal_padding_mask(valid_past, valid_new)
     masks = {layer_type: mask for layer_type in set(model.config.layer_types)}
-    out = model(input_ids=ids, attention_mask=masks, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
+    out = model(
+        input_ids=ids,
+        attention_mask=masks,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+        **extra,
+    )
     return out.logits
 
 
@@ -117,7 +128,9 @@ def specache_generate(
     greedy choice of the speculative row (it only steers prefetching and is never emitted).
     """
     config = SpeCacheConfig(k=k, bits=bits, window=window, group_size=group_size)
-    valid, positions, next_pos, outputs = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    valid, positions, next_pos, outputs = _prepare(
+        model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id
+    )
     batch, prompt_len = input_ids.shape
     slots = torch.cat([valid, torch.ones(batch, max_new_tokens + 1, dtype=torch.bool)], 1)
     cache = SpeCache(model.config.num_hidden_layers, config, capacity=slots.shape[1], valid=slots)
@@ -128,7 +141,9 @@ def specache_generate(
         outputs.push(tokens, logprobs)
         if max_new_tokens > 1 and not outputs.done:
             cache.phase = PREDECODE
-            logits = _forward(model, tokens[:, None], slots[:, :prompt_len], ones[:, :1], next_pos[:, None], cache, 1, specache=cache)
+            logits = _forward(
+                model, tokens[:, None], slots[:, :prompt_len], ones[:, :1], next_pos[:, None], cache, 1, specache=cache
+            )
             speculative = logits[:, -1].argmax(-1)
             cache.phase = DECODE
             for step in range(1, max_new_tokens):
@@ -166,7 +181,9 @@ def full_cache_generate(
     """The baseline: the same masks, positions and sampling over a full-precision DynamicCache.
 
     Its stats hold the cache's bytes (all of it is "fast tier")."""
-    valid, positions, next_pos, outputs = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    valid, positions, next_pos, outputs = _prepare(
+        model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id
+    )
     batch = input_ids.shape[0]
     cache = DynamicCache(config=model.config)
     logits = _forward(model, input_ids, valid[:, :0], valid, positions, cache, 1)
@@ -180,4 +197,8 @@ def full_cache_generate(
         logits = _forward(model, tokens[:, None], valid[:, :-1], one, (next_pos + step)[:, None], cache, 1)
     nbytes = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
     sequences, logprobs = outputs.result(input_ids)
-    return sequences, logprobs, SpeCacheStats(fast_tier_bytes=nbytes, peak_fast_tier_bytes=nbytes, full_cache_bytes=nbytes)
+    return (
+        sequences,
+        logprobs,
+        SpeCacheStats(fast_tier_bytes=nbytes, peak_fast_tier_bytes=nbytes, full_cache_bytes=nbytes),
+    )

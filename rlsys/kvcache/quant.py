@@ -13,6 +13,7 @@ value is `x' = z + q * s`.
 Codes are packed `8 / b` to a byte along the last dimension, so a quantised tensor holds
 `b` bits per element plus its zero points and scales.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ a token-sharded forward pass whose parties each see too few rows for that attack
 - `cascade`: (c, delta)-sharding and the sharded forward, parties in-process or Ray actors.
 - `cli`: `rlsys privacy attack`.
 """
+
 from .attack import AttackConfig, AttackResult, View, permuted_view, plain_view, vocab_matching_attack
 from .cascade import CascadeOutput, attention_pairs, c_delta_shards, cascade_forward
 from .decoder import DecoderWeights, hidden_states, plain_logits

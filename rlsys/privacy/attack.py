@@ -21,6 +21,7 @@ unverifiable: there the attacker can only take the proposal's top token, and an 
 position after such a gap is compared under a guessed prefix. With no candidate under
 epsilon after the budget, the attacker keeps the nearest candidate it tried.
 """
+
 from __future__ import annotations
 
 import time

@@ -22,6 +22,7 @@ each party on a Ray actor (or spreads them over a capped number of actor process
 then flow actor to actor as object references; the driver (the client) only ever fetches
 logits and, for evaluation, the parties' recorded views.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +32,15 @@ import torch
 from torch import Tensor
 
 from .attack import View
-from .decoder import DecoderWeights, finish_layer, logits_of, merge_partials, output_state, partial_attention, project_qkv
+from .decoder import (
+    DecoderWeights,
+    finish_layer,
+    logits_of,
+    merge_partials,
+    output_state,
+    partial_attention,
+    project_qkv,
+)
 
 BACKENDS = ("local", "ray")
 

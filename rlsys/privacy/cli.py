@@ -2,6 +2,7 @@
 attack against a plain server's, a permuting server's and one Cascade party's view of the
 same prompts under one search budget, and print recovery rates. Without --model a tiny
 random-init Qwen2 is built. Bad input is one line on stderr and exit code 2."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,16 +38,39 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--layer", type=int, help="hidden state index the views expose (default: half the depth)")
     a.add_argument("--budget", type=int, help="candidates tried per observed position (default: the whole vocabulary)")
     a.add_argument("--batch-size", type=int, default=128, help="candidates per forward pass (default 128)")
-    a.add_argument("--epsilon", type=float, help="absolute L1 threshold (default: 1e-3 x the mean L1 norm of the observed rows)")
-    a.add_argument("--proposal", choices=PROPOSALS, default="model", help="candidate order (default: the model's next-token distribution)")
+    a.add_argument(
+        "--epsilon", type=float, help="absolute L1 threshold (default: 1e-3 x the mean L1 norm of the observed rows)"
+    )
+    a.add_argument(
+        "--proposal",
+        choices=PROPOSALS,
+        default="model",
+        help="candidate order (default: the model's next-token distribution)",
+    )
     a.add_argument("--prompts", type=int, default=4, help="random prompts to attack (default 4)")
     a.add_argument("--length", type=int, default=24, help="tokens per random prompt (default 24)")
-    a.add_argument("--text", action="append", help="attack this text instead of random prompts (needs the model's tokenizer); repeatable")
+    a.add_argument(
+        "--text",
+        action="append",
+        help="attack this text instead of random prompts (needs the model's tokenizer); repeatable",
+    )
     a.add_argument("--c", type=int, default=2, help="Cascade: positions per compute party (default 2)")
     a.add_argument("--delta", type=int, default=3, help="Cascade: spacing of a party's positions (default 3)")
-    a.add_argument("--backend", choices=BACKENDS, default="ray", help="Cascade parties as Ray actors (default) or in-process")
-    a.add_argument("--hosts", type=int, default=4, help="Ray actor processes the parties are spread over (default 4; 0: one actor per party)")
-    a.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the attack's many small ops run fastest on one)")
+    a.add_argument(
+        "--backend", choices=BACKENDS, default="ray", help="Cascade parties as Ray actors (default) or in-process"
+    )
+    a.add_argument(
+        "--hosts",
+        type=int,
+        default=4,
+        help="Ray actor processes the parties are spread over (default 4; 0: one actor per party)",
+    )
+    a.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the attack's many small ops run fastest on one)",
+    )
     a.add_argument("--seed", type=int, default=0)
     return p
 
@@ -105,7 +129,8 @@ def run(args: argparse.Namespace) -> str:
             ray.shutdown()
     budget = config.budget or model.config.vocab_size
     head = (
-        f"vocab-matching attack at hidden state {layer}: {len(prompts)} prompt(s), budget {budget} candidates/position, "
+        f"vocab-matching attack at hidden state {layer}: {len(prompts)} prompt(s), "
+        f"budget {budget} candidates/position, "
         f"proposal={config.proposal}; Cascade c={args.c} delta={args.delta}: {ev.n_parties} compute parties, "
         f"logits max |diff| vs plain {ev.cascade_max_logit_diff:.2e}"
     )

@@ -19,6 +19,7 @@ plain and the sharded pass is which rows each function sees. Hidden-state indice
 transformers' `output_hidden_states`: state 0 is the embedding, state l the output of layer l,
 and the last state has the final norm applied.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,15 +83,18 @@ class DecoderWeights:
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: only silu MLPs are supported")
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or \
-                (window is not None and window < cfg.max_position_embeddings):
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])) or (
+            window is not None and window < cfg.max_position_embeddings
+        ):
             raise ValueError("sliding-window layers are not supported; use full attention")
         rotary = model.model.rotary_emb
         if "dynamic" in getattr(rotary, "rope_type", "default"):
             raise ValueError(f"rope_type={rotary.rope_type!r}: dynamic RoPE is not supported")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if 2 * rotary.inv_freq.numel() != head_dim:
-            raise ValueError(f"RoPE over {2 * rotary.inv_freq.numel()} of {head_dim} head dims: partial RoPE is not supported")
+            raise ValueError(
+                f"RoPE over {2 * rotary.inv_freq.numel()} of {head_dim} head dims: partial RoPE is not supported"
+            )
 
         def t(x):
             return None if x is None else x.detach().to(torch.float32).clone()
@@ -104,17 +108,31 @@ class DecoderWeights:
         layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            (q_w, q_b), (k_w, k_b), (v_w, v_b) = (parts(a.qkv_proj, [q_rows, kv_rows, kv_rows]) if hasattr(a, "qkv_proj")
-                                                  else [(t(p.weight), t(p.bias)) for p in (a.q_proj, a.k_proj, a.v_proj)])
-            (gate_w, _), (up_w, _) = (parts(m.gate_up_proj, [m.gate_up_proj.weight.shape[0] // 2] * 2)
-                                      if hasattr(m, "gate_up_proj") else [(t(m.gate_proj.weight), None), (t(m.up_proj.weight), None)])
+            (q_w, q_b), (k_w, k_b), (v_w, v_b) = (
+                parts(a.qkv_proj, [q_rows, kv_rows, kv_rows])
+                if hasattr(a, "qkv_proj")
+                else [(t(p.weight), t(p.bias)) for p in (a.q_proj, a.k_proj, a.v_proj)]
+            )
+            (gate_w, _), (up_w, _) = (
+                parts(m.gate_up_proj, [m.gate_up_proj.weight.shape[0] // 2] * 2)
+                if hasattr(m, "gate_up_proj")
+                else [(t(m.gate_proj.weight), None), (t(m.up_proj.weight), None)]
+            )
             layers.append(
                 LayerWeights(
                     input_norm=t(layer.input_layernorm.weight),
-                    q_w=q_w, q_b=q_b, k_w=k_w, k_b=k_b, v_w=v_w, v_b=v_b,
-                    o_w=t(a.o_proj.weight), o_b=t(a.o_proj.bias),
+                    q_w=q_w,
+                    q_b=q_b,
+                    k_w=k_w,
+                    k_b=k_b,
+                    v_w=v_w,
+                    v_b=v_b,
+                    o_w=t(a.o_proj.weight),
+                    o_b=t(a.o_proj.bias),
                     post_norm=t(layer.post_attention_layernorm.weight),
-                    gate_w=gate_w, up_w=up_w, down_w=t(m.down_proj.weight),
+                    gate_w=gate_w,
+                    up_w=up_w,
+                    down_w=t(m.down_proj.weight),
                     q_norm=t(getattr(getattr(a, "q_norm", None), "weight", None)),
                     k_norm=t(getattr(getattr(a, "k_norm", None), "weight", None)),
                 )
@@ -206,7 +224,9 @@ def finish_layer(layer: LayerWeights, w: DecoderWeights, h: Tensor, attn: Tensor
     b, _, n, _ = attn.shape
     h = h + _linear(attn.transpose(1, 2).reshape(b, n, -1), layer.o_w, layer.o_b)
     x = rms_norm(h, layer.post_norm, w.norm_eps)
-    mlp = _linear(torch.nn.functional.silu(_linear(x, layer.gate_w, None)) * _linear(x, layer.up_w, None), layer.down_w, None)
+    mlp = _linear(
+        torch.nn.functional.silu(_linear(x, layer.gate_w, None)) * _linear(x, layer.up_w, None), layer.down_w, None
+    )
     return h + mlp
 
 
@@ -260,7 +280,9 @@ class PrefixCache:
 
 
 @torch.no_grad()
-def candidate_step(w: DecoderWeights, cache: PrefixCache, tokens: Tensor, upto: int) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+def candidate_step(
+    w: DecoderWeights, cache: PrefixCache, tokens: Tensor, upto: int
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """Run a batch of candidate tokens [B] at the position after the cached prefix through the
     first `upto` layers. Each candidate's attention is the merge (A4) of a block over the
     shared prefix and a block over itself. Returns hidden state number `upto` [B, d] and the

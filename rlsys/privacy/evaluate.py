@@ -1,6 +1,7 @@
 """The attack as an evaluator of a serving setup: run it, under one search budget, against the
 views a plain server, a permuting server and one Cascade compute party would hold, and score
 token recovery and search cost. Shared by `rlsys privacy attack` and benchmarks/privacy.py."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,7 +68,15 @@ class _Pool:
 
     def score(self) -> ViewScore:
         n = max(self.tokens, 1)
-        return ViewScore(self.name, self.correct / n, self.matched / n, self.candidates / n, 1000 * self.seconds / n, self.worst, self.attacks)
+        return ViewScore(
+            self.name,
+            self.correct / n,
+            self.matched / n,
+            self.candidates / n,
+            1000 * self.seconds / n,
+            self.worst,
+            self.attacks,
+        )
 
 
 @torch.no_grad()

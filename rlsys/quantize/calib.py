@@ -1,6 +1,7 @@
 """Calibration token ids: random windows of a text corpus (the paper uses 128 WikiText-2
 segments) or, when no corpus is given, sequences sampled from the full-precision model
 itself (data-free calibration)."""
+
 from __future__ import annotations
 
 import torch

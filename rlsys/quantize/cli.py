@@ -1,5 +1,6 @@
 """`rlsys quantize MODEL_DIR --bits 2 --group 128 --out DIR`: SliM-LLM post-training
 quantisation of a local model directory. Bad input is one line on stderr and exit code 2."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-file", help="text file for calibration; default: text sampled from the model")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
     p.add_argument("--seqlen", type=int, default=128, help="tokens per calibration sequence (default 128)")
-    p.add_argument("--sba-uniform", action="store_true",
-                   help="let a layer keep uniform bits where no mixed map has a lower output KL (not in the paper)")
+    p.add_argument(
+        "--sba-uniform",
+        action="store_true",
+        help="let a layer keep uniform bits where no mixed map has a lower output KL (not in the paper)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -72,8 +76,9 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError(f"--bits must be in 1..8, got {args.bits}")
     if args.group < 1:
         raise ValueError(f"--group must be positive, got {args.group}")
-    cfg = QuantConfig(bits=args.bits, group_size=args.group, method=args.method, seed=args.seed,
-                      sba_uniform=args.sba_uniform)
+    cfg = QuantConfig(
+        bits=args.bits, group_size=args.group, method=args.method, seed=args.seed, sba_uniform=args.sba_uniform
+    )
     model = _quiet_load(load_model, src)
     check_config(model, cfg)
     calib = None

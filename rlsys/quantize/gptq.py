@@ -4,6 +4,7 @@
 A layer computes `y = x W^T (+ b)` with `W` of shape `[rows, cols]`; groups are blocks of
 `group_size` consecutive input columns (all rows), each with its own bit width.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -135,7 +136,9 @@ def allocate_bits(
         return uniform, []
     w, x = w.float(), x.float()
     y = F.linear(x, w, bias)
-    by_bits = {b: rtn_quantize(w, torch.full((groups,), b), group_size).dequantize() for b in (bits - 1, bits, bits + 1)}
+    by_bits = {
+        b: rtn_quantize(w, torch.full((groups,), b), group_size).dequantize() for b in (bits - 1, bits, bits + 1)
+    }
     y_q = F.linear(x, by_bits[bits], bias)
     order = torch.argsort(salience, stable=True)
     uniform_kl = float(output_kl(y_q, y))

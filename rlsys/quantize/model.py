@@ -6,6 +6,7 @@ Sequential as in GPTQ: block `i` is calibrated on the outputs of the already qua
 blocks `< i`; all linears of one block share one calibration pass. Embeddings, norms,
 biases and the LM head stay in their original precision.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,9 +97,7 @@ def check_config(model: nn.Module, cfg: QuantConfig) -> None:
     for block_name, block in decoder_blocks(model):
         for name, lin in block_linears(block_name, block).items():
             if lin.in_features % cfg.group_size:
-                raise ValueError(
-                    f"group size {cfg.group_size} does not divide the width {lin.in_features} of {name}"
-                )
+                raise ValueError(f"group size {cfg.group_size} does not divide the width {lin.in_features} of {name}")
 
 
 def collect_block_stats(
@@ -154,8 +153,9 @@ def quantize_weight(lin: nn.Linear, stats: LayerStats | None, cfg: QuantConfig) 
     w_live = w.masked_fill(dead[None, :], 0.0)
     salience = group_salience(w_live, hinv, cfg.group_size)
     bias = None if lin.bias is None else lin.bias.detach().float()
-    bit_map, _ = allocate_bits(w_live, torch.cat(stats.samples), salience, cfg.bits, cfg.group_size, bias,
-                               include_uniform=cfg.sba_uniform)
+    bit_map, _ = allocate_bits(
+        w_live, torch.cat(stats.samples), salience, cfg.bits, cfg.group_size, bias, include_uniform=cfg.sba_uniform
+    )
     return gptq_quantize(w, hinv, bit_map, cfg.group_size, sqc=cfg.sqc, dead=dead)
 
 
@@ -255,7 +255,10 @@ def load_quantized(path: str | os.PathLike, dtype: torch.dtype = torch.float32) 
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     aliases = meta["aliases"]
     if unexpected or set(missing) - set(aliases):
-        raise ValueError(f"{path}: weights do not match the config (missing {sorted(set(missing) - set(aliases))}, unexpected {unexpected})")
+        raise ValueError(
+            f"{path}: weights do not match the config "
+            f"(missing {sorted(set(missing) - set(aliases))}, unexpected {unexpected})"
+        )
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     with torch.no_grad():
         for alias, source in aliases.items():

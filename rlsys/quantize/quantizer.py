@@ -9,6 +9,7 @@ weights the model ran with.
 Paper: SliM-LLM (Huang et al., 2024, arXiv:2405.14917). SBA = salience-determined bit
 allocation, SQC = salience-weighted quantizer calibration.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -96,7 +97,8 @@ def fake_quantize(w: torch.Tensor, params: GroupParams) -> torch.Tensor:
 
 
 def element_salience(w: torch.Tensor, hinv_diag: torch.Tensor) -> torch.Tensor:
-    """Element salience `w_ij^2 / [Hinv]_jj^2` (the salience of SBA and SQC), `hinv_diag` the group's Cholesky diagonal."""
+    """Element salience `w_ij^2 / [Hinv]_jj^2` (the salience of SBA and SQC), `hinv_diag` the group's
+    Cholesky diagonal."""
     return w.pow(2) / hinv_diag.pow(2)[None, :]
 
 
@@ -210,10 +212,7 @@ class QuantizedWeight:
         """Storage form: `qweight` (each group's codes packed at its own width, concatenated),
         `bits` (uint8 bit map), `scales`/`zeros` (float16)."""
         gs = self.group_size
-        packed = [
-            pack_codes(self.codes[:, g * gs : (g + 1) * gs], int(b))
-            for g, b in enumerate(self.bits.tolist())
-        ]
+        packed = [pack_codes(self.codes[:, g * gs : (g + 1) * gs], int(b)) for g, b in enumerate(self.bits.tolist())]
         return {
             "qweight": torch.cat(packed),
             "bits": self.bits.to(torch.uint8),

@@ -1,4 +1,5 @@
 """Starting a run's actors, and the learner ranks' calls (a dead rank ends the run in one line)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,12 @@ class RunActors:
     buffer: object
 
     def all(self) -> list:
-        return [self.reference, self.reward, self.buffer, *(a for p in self.policies.values()
-                                                            for a in [*p.workers, *p.learners])]
+        return [
+            self.reference,
+            self.reward,
+            self.buffer,
+            *(a for p in self.policies.values() for a in [*p.workers, *p.learners]),
+        ]
 
 
 def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -> RunActors:
@@ -44,34 +49,72 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
     temperature = r.temperature if r.temperature > 0 else 1.0
 
     def worker(i, **placement):
-        return ray.remote(RolloutWorker).options(**placement, **opts).remote(
-            str(policy_dir), r.backend, r.batch_size, r.threads_per_worker, i, quantized=r.quantized,
-            specache=r.specache_settings(), backend_options=vllm_options(cfg, i), decode=r.decode)
+        return (
+            ray.remote(RolloutWorker)
+            .options(**placement, **opts)
+            .remote(
+                str(policy_dir),
+                r.backend,
+                r.batch_size,
+                r.threads_per_worker,
+                i,
+                quantized=r.quantized,
+                specache=r.specache_settings(),
+                backend_options=vllm_options(cfg, i),
+                decode=r.decode,
+            )
+        )
 
     def learner(rank, world_size, port, **placement):
-        return ray.remote(Learner).options(**placement).remote(
-            str(policy_dir), algorithm, lr=l.lr, weight_decay=l.weight_decay, grad_clip=l.grad_clip,
-            zero_stage=l.zero_stage, epochs=l.epochs, minibatches=l.minibatches, temperature=temperature,
-            threads=l.threads, rank=rank, world_size=world_size, master_port=port, seed=cfg.run.seed,
-            bf16=l.bf16, **learner_schedule(cfg))
+        return (
+            ray.remote(Learner)
+            .options(**placement)
+            .remote(
+                str(policy_dir),
+                algorithm,
+                lr=l.lr,
+                weight_decay=l.weight_decay,
+                grad_clip=l.grad_clip,
+                zero_stage=l.zero_stage,
+                epochs=l.epochs,
+                minibatches=l.minibatches,
+                temperature=temperature,
+                threads=l.threads,
+                rank=rank,
+                world_size=world_size,
+                master_port=port,
+                seed=cfg.run.seed,
+                bf16=l.bf16,
+                **learner_schedule(cfg),
+            )
+        )
 
     port = free_port()
     names = policy_names(algorithm)
-    policies = {names[0]: PolicyActors([worker(i, **placement) for i, placement in enumerate(rollout_actor_options(cfg))],
-                                       [learner(rank, l.num_ranks, port, num_cpus=0.5, num_gpus=learner_gpus(cfg))
-                                        for rank in range(l.num_ranks)])}
+    policies = {
+        names[0]: PolicyActors(
+            [worker(i, **placement) for i, placement in enumerate(rollout_actor_options(cfg))],
+            [learner(rank, l.num_ranks, port, num_cpus=0.5, num_gpus=learner_gpus(cfg)) for rank in range(l.num_ranks)],
+        )
+    }
     # further policies (CDG's per-role copies): one CPU rollout worker and one learner rank each, all
     # from the same initial policy; small CPU shares so they fit beside the run's policy on 2 cores
     for name in names[1:]:
         policies[name] = PolicyActors([worker(0, num_cpus=0.1)], [learner(0, 1, free_port(), num_cpus=0.1)])
-    run = RunActors(policies,
-                    reference=ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature),
-                    reward=start_reward_actor(cfg.reward, policy_dir, task, cfg.run.seed),
-                    buffer=ray.remote(ExperienceBuffer).options(num_cpus=0.1).remote(
-                        cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed))
+    run = RunActors(
+        policies,
+        reference=ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature),
+        reward=start_reward_actor(cfg.reward, policy_dir, task, cfg.run.seed),
+        buffer=ray.remote(ExperienceBuffer)
+        .options(num_cpus=0.1)
+        .remote(cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed),
+    )
     try:
-        started([a.ready.remote() for p in policies.values() for a in p.learners] +
-                [w.policy_version.remote() for p in policies.values() for w in p.workers], cfg.trainer.start_timeout_s)
+        started(
+            [a.ready.remote() for p in policies.values() for a in p.learners]
+            + [w.policy_version.remote() for p in policies.values() for w in p.workers],
+            cfg.trainer.start_timeout_s,
+        )
     except RunFailed:
         for actor in run.all():
             ray.kill(actor)
@@ -86,9 +129,11 @@ def started(first_calls: list, timeout: float) -> None:
     ready, pending = ray.wait(first_calls, num_returns=len(first_calls), timeout=timeout)
     if pending:
         free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
-        raise RunFailed(f"{len(pending)} of {len(first_calls)} rollout/learner actors did not start within {timeout:.0f} s "
-                        f"(trainer.start_timeout_s); the cluster has {free:.2f} of {total:.0f} logical CPUs free: another "
-                        f"job on it, or too few CPUs (ray.num_cpus)")
+        raise RunFailed(
+            f"{len(pending)} of {len(first_calls)} rollout/learner actors did not start within {timeout:.0f} s "
+            f"(trainer.start_timeout_s); the cluster has {free:.2f} of {total:.0f} logical CPUs free: another "
+            f"job on it, or too few CPUs (ray.num_cpus)"
+        )
     ray.get(ready)
 
 
@@ -96,8 +141,12 @@ def learner_schedule(cfg: JobConfig) -> dict:
     """The learner's lr schedule in optimizer steps (epochs x minibatches per trainer step)."""
     l = cfg.learner
     per_step = l.epochs * l.minibatches
-    return dict(lr_schedule=l.lr_schedule, warmup_steps=l.warmup_steps * per_step,
-                total_steps=cfg.trainer.steps * per_step, min_lr_ratio=l.min_lr_ratio)
+    return dict(
+        lr_schedule=l.lr_schedule,
+        warmup_steps=l.warmup_steps * per_step,
+        total_steps=cfg.trainer.steps * per_step,
+        min_lr_ratio=l.min_lr_ratio,
+    )
 
 
 class Learners:
@@ -144,11 +193,16 @@ class Learners:
                 except Exception:  # noqa: BLE001 - any failure to answer counts as dead
                     dead.append(rank)
             saved = candidates(self.run_dir / "checkpoints")
-            resume = (f"resume from {saved[0].name} with `rlsys resume {self.run_dir}`" if saved
-                      else "no checkpoint was written yet (set trainer.checkpoint_every)")
+            resume = (
+                f"resume from {saved[0].name} with `rlsys resume {self.run_dir}`"
+                if saved
+                else "no checkpoint was written yet (set trainer.checkpoint_every)"
+            )
             cause = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            raise LearnerFailed(f"learner rank {', '.join(map(str, dead)) or '?'} of {len(learners)} died during "
-                                f"step {self.step + 1} ({cause}); the run stopped: {resume}") from None
+            raise LearnerFailed(
+                f"learner rank {', '.join(map(str, dead)) or '?'} of {len(learners)} died during "
+                f"step {self.step + 1} ({cause}); the run stopped: {resume}"
+            ) from None
 
 
 def rank_means(rank_metrics: list[dict]) -> dict[str, float]:

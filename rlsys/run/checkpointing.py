@@ -1,4 +1,5 @@
 """A run's checkpoints: everything a resumed run needs to go on bit-identically, written atomically."""
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,13 @@ def restore(run) -> tuple[Path, dict]:
         try:
             checkpoint.verify(path)
             state = json.loads((path / "state.json").read_text())
-            ray.get([l.load.remote(str(path / policy_subdir("learner", name, main)))
-                     for name, p in run.policies.items() for l in p.learners])
+            ray.get(
+                [
+                    l.load.remote(str(path / policy_subdir("learner", name, main)))
+                    for name, p in run.policies.items()
+                    for l in p.learners
+                ]
+            )
             ray.get(run.buffer.load.remote(str(path / "buffer.parquet")))
             anchor = run.policy_dir if state.get("reference_version") is None else path / "reference"
             ray.get(run.reference.load_weights.remote(None, str(anchor)))

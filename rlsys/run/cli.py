@@ -2,6 +2,7 @@
 
 Errors a user can fix (config, dataset, missing files) print one line and exit 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def _run(args) -> int:
     init_ray(cfg.ray.address, cfg.ray.num_cpus)  # before anything imports ray
     from rlsys.run.controller import Controller  # lazy: after init_ray (ray, deepspeed, the actors)
 
-    controller = Controller(cfg, Path(cfg.run.output_dir) / cfg.run.name, progress=not args.no_progress,
-                            algorithm=algorithm)
+    controller = Controller(
+        cfg, Path(cfg.run.output_dir) / cfg.run.name, progress=not args.no_progress, algorithm=algorithm
+    )
     run_dir = controller.run_dir
     summary = controller.run(resume=args.resume)
     print(
@@ -83,8 +85,20 @@ def _job_command(args) -> int:
     return 0
 
 
-SPEC_FLAGS = ("name", "split", "dataset", "metric", "reward_model", "judge", "temperature", "n", "max_new_tokens",
-              "limit", "every", "seed")
+SPEC_FLAGS = (
+    "name",
+    "split",
+    "dataset",
+    "metric",
+    "reward_model",
+    "judge",
+    "temperature",
+    "n",
+    "max_new_tokens",
+    "limit",
+    "every",
+    "seed",
+)
 
 
 def _eval(args) -> int:
@@ -106,9 +120,13 @@ def _eval(args) -> int:
 
 def _eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="evaluators attached to a running run or job").add_subparsers(
-        dest="action", required=True)
-    for action, text in (("attach", "attach an evaluator (YAML spec and/or flags)"), ("list", "attached evaluators"),
-                         ("detach", "detach an evaluator by name")):
+        dest="action", required=True
+    )
+    for action, text in (
+        ("attach", "attach an evaluator (YAML spec and/or flags)"),
+        ("list", "attached evaluators"),
+        ("detach", "detach an evaluator by name"),
+    ):
         a = ev.add_parser(action, help=text)
         a.add_argument("target", metavar="RUN_OR_JOB", help="a run dir (runs/<name>) or a job id with --address")
         a.add_argument("--address", default=None, help="dashboard address, for a job id")
@@ -162,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     _eval_parser(sub)
     config = sub.add_parser("config", help="the configuration reference").add_subparsers(dest="action", required=True)
     doc = config.add_parser("doc", help="every config key, its type, default and description, as markdown")
-    doc.add_argument("--output", "-o", default=None, help="write it here (the repo keeps docs/configuration.md); "
-                     "default: stdout")
+    doc.add_argument(
+        "--output", "-o", default=None, help="write it here (the repo keeps docs/configuration.md); default: stdout"
+    )
     doc.set_defaults(func=_config_doc)
     for name, module, prefix in (
         ("sandbox", "sandbox.cli", []),

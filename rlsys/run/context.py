@@ -1,4 +1,5 @@
 """The `RolloutContext` algorithms are given: the run's actors behind plain calls, timed per phase."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,9 @@ class ActorContext:
     `policies` holds every trained policy by name, the first being the run's policy (most
     algorithms train just that one; CDG with `algorithm.models` trains one per role)."""
 
-    def __init__(self, cfg: JobConfig, tokenizer, task, policies: dict[str, PolicyActors], reference, reward,
-                 weights, seed: int):
+    def __init__(
+        self, cfg: JobConfig, tokenizer, task, policies: dict[str, PolicyActors], reference, reward, weights, seed: int
+    ):
         self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
         self.policies, self.main_policy = policies, next(iter(policies))
         self.reference, self.reward = reference, reward
@@ -63,8 +65,13 @@ class ActorContext:
 
     def sampling(self, **overrides) -> SamplingParams:
         r = self.cfg.rollout
-        base = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, stop_token_ids=(self.tokenizer.eos_token_id,))
+        base = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+        )
         return dataclasses.replace(base, **overrides)
 
     def next_seed(self) -> int:
@@ -96,8 +103,9 @@ class ActorContext:
                 shares = np.array_split(np.arange(len(requests)), len(served.workers))
                 for w, (worker, idx) in enumerate(zip(served.workers, shares)):
                     if len(idx):
-                        part = [dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w))
-                                for i in idx]
+                        part = [
+                            dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w)) for i in idx
+                        ]
                         calls.append((policy, worker, idx, part, worker.generate.remote(part)))
         self.settle_sync()  # a failed sync raises here, before rows by the old weights are used
         with self.timed("generate"):
@@ -157,8 +165,10 @@ class ActorContext:
     def execute(self, requests):
         """Sandboxed runs (sandbox.ExecRequest), all sent to the pool at once; results in order."""
         if self.sandbox is None:
-            raise RunFailed(f"algorithm '{self.cfg.algorithm.name}' runs code, but task '{self.cfg.task.name}' has no "
-                            f"sandbox pool (a task that runs code: task.name=code)")
+            raise RunFailed(
+                f"algorithm '{self.cfg.algorithm.name}' runs code, but task '{self.cfg.task.name}' has no "
+                f"sandbox pool (a task that runs code: task.name=code)"
+            )
         with self.timed("sandbox"):
             return self.sandbox.run_many(list(requests))
 

@@ -4,6 +4,7 @@ runs `loop.train` on it, top to bottom.
     prompts -> Algorithm.rollout (rollout workers, reward, reference) -> ExperienceBuffer
             -> Algorithm.prepare -> Learner.train_step (all ranks) -> weight sync -> log/eval
 """
+
 from __future__ import annotations
 
 import sys
@@ -61,7 +62,6 @@ class Controller:
     def learners(self, learners: list) -> None:
         self.policies[self.ctx.main_policy].learners = learners
 
-
     def prepare_policy(self) -> Path:
         """Tokenizer + initial policy (tiny model from config, or a local HF dir), SFT warm-up,
         saved once to run_dir/policy_init; later calls reuse it."""
@@ -79,14 +79,28 @@ class Controller:
             model = build_tiny_model(TinyModelSpec.from_config(cfg.model), tokenizer, seed=cfg.run.seed)
         if cfg.sft.steps:
             bar = progress_bar(cfg.sft.steps, "warm-up", self.progress)
-            warm = (self.algorithm.warmup_task(self.task, tokenizer) if isinstance(self.algorithm, HasWarmupTask)
-                    else self.task)
+            warm = (
+                self.algorithm.warmup_task(self.task, tokenizer)
+                if isinstance(self.algorithm, HasWarmupTask)
+                else self.task
+            )
             if cfg.sft.demo_error and not hasattr(warm, "flawed_demonstration"):
-                raise ConfigError(f"config error: 'sft.demo_error'={cfg.sft.demo_error}: task '{cfg.task.name}' has no "
-                                  f"flawed demonstrations (allowed: 0)")
-            warmup(model, tokenizer, warm, warm.rows("train"), cfg.sft.steps, cfg.sft.batch_size,
-                   cfg.sft.lr, cfg.run.seed, on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}") or bar.update(),
-                   demo_error=cfg.sft.demo_error)
+                raise ConfigError(
+                    f"config error: 'sft.demo_error'={cfg.sft.demo_error}: task '{cfg.task.name}' has no "
+                    f"flawed demonstrations (allowed: 0)"
+                )
+            warmup(
+                model,
+                tokenizer,
+                warm,
+                warm.rows("train"),
+                cfg.sft.steps,
+                cfg.sft.batch_size,
+                cfg.sft.lr,
+                cfg.run.seed,
+                on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}", refresh=False) or bar.update(),
+                demo_error=cfg.sft.demo_error,
+            )
             bar.close()
         save_model_dir(model, tokenizer, init_dir)
         self.tokenizer = tokenizer
@@ -96,34 +110,56 @@ class Controller:
         """The actors, the weight sync between them, the context algorithms see and the rollout source."""
         cfg = self.cfg
         self.policy_dir = Path(policy_dir)  # the initial policy (a learner restart goes back to it)
-        teacher_dir = (self.algorithm.teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)
-                       if isinstance(self.algorithm, HasTeacher) else None)  # DA-KD: trained or checked before any actor
+        teacher_dir = (
+            self.algorithm.teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)
+            if isinstance(self.algorithm, HasTeacher)
+            else None
+        )  # DA-KD: trained or checked before any actor
         actors = start_actors(cfg, self.algorithm, self.policy_dir, self.task)
-        self.policies, self.reference, self.reward, self.buffer = (actors.policies, actors.reference, actors.reward,
-                                                                    actors.buffer)
+        self.policies, self.reference, self.reward, self.buffer = (
+            actors.policies,
+            actors.reference,
+            actors.reward,
+            actors.buffer,
+        )
         self.learner_group = Learners(self.policies, self.run_dir)
         try:
             self.weights = make_weight_sync(cfg, self.policies, self.learner_group.get)
         except Exception:
             self._kill(actors.all())
             raise
-        self.ctx = ActorContext(cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward,
-                                self.weights, cfg.run.seed)
+        self.ctx = ActorContext(
+            cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward, self.weights, cfg.run.seed
+        )
         if teacher_dir:
             temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
             self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
         if getattr(self.task, "needs_sandbox", False):
             self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)
-        self.stream = PromptStream([self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))],
-                                   cfg.run.seed)
-        self.rollouts = RolloutSource(self.algorithm, self.ctx, self.buffer, self.stream, cfg.trainer.prompts_per_step,
-                                      cfg.trainer.overlap_rollout, cfg.trainer.steps)
+        self.stream = PromptStream(
+            [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))], cfg.run.seed
+        )
+        self.rollouts = RolloutSource(
+            self.algorithm,
+            self.ctx,
+            self.buffer,
+            self.stream,
+            cfg.trainer.prompts_per_step,
+            cfg.trainer.overlap_rollout,
+            cfg.trainer.steps,
+        )
 
     def shutdown(self) -> None:
         """Kill the run's actors (tests that start a second controller)."""
         self.weights.close()
-        self._kill([self.reference, self.reward, self.buffer,
-                    *(a for p in self.policies.values() for a in [*p.workers, *p.learners])])
+        self._kill(
+            [
+                self.reference,
+                self.reward,
+                self.buffer,
+                *(a for p in self.policies.values() for a in [*p.workers, *p.learners]),
+            ]
+        )
 
     @staticmethod
     def _kill(actors: list) -> None:
@@ -138,9 +174,13 @@ class Controller:
         s = self.cfg.sandbox
         why = unavailable(s.backend)
         if why:
-            raise RunFailed(f"task '{self.cfg.task.name}' runs code in the {s.backend} sandbox, which is unavailable "
-                            f"here: {why} (set up the engines: .ci/setup_sandbox.sh; or set sandbox.backend)")
-        self.task.use_sandbox(s.backend, Limits(wall_time_s=s.wall_time_s, cpu_time_s=s.cpu_time_s, memory_mb=s.memory_mb))
+            raise RunFailed(
+                f"task '{self.cfg.task.name}' runs code in the {s.backend} sandbox, which is unavailable "
+                f"here: {why} (set up the engines: .ci/setup_sandbox.sh; or set sandbox.backend)"
+            )
+        self.task.use_sandbox(
+            s.backend, Limits(wall_time_s=s.wall_time_s, cpu_time_s=s.cpu_time_s, memory_mb=s.memory_mb)
+        )
 
     def _prompt(self, uid: str, row: dict) -> Prompt:
         text = self.task.prompt_text(row)
@@ -199,8 +239,10 @@ class Controller:
         if resume and not candidates(self.run_dir / "checkpoints"):
             raise CheckpointError(f"no checkpoint to resume from in {self.run_dir / 'checkpoints'}")
         if not resume and ((self.run_dir / "metrics.jsonl").exists() or (self.run_dir / "checkpoints").exists()):
-            raise CheckpointError(f"run dir {self.run_dir} already holds a run: resume it (rlsys resume {self.run_dir}) "
-                                  f"or pick another run.name")
+            raise CheckpointError(
+                f"run dir {self.run_dir} already holds a run: resume it (rlsys resume {self.run_dir}) "
+                f"or pick another run.name"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.attached = AttachedEvaluators(cfg.run.name)  # `rlsys eval attach` finds it through cluster.json
@@ -218,9 +260,13 @@ class Controller:
         finally:
             self.weights.close()
         return {
-            "run": cfg.run.name, "algorithm": cfg.algorithm.name, "steps": self.step,
-            "eval_accuracy_before_rl": first["accuracy"], "eval_accuracy_after_rl": last_eval["accuracy"],
-            "seconds": time.perf_counter() - t0, "run_dir": str(self.run_dir),
+            "run": cfg.run.name,
+            "algorithm": cfg.algorithm.name,
+            "steps": self.step,
+            "eval_accuracy_before_rl": first["accuracy"],
+            "eval_accuracy_after_rl": last_eval["accuracy"],
+            "seconds": time.perf_counter() - t0,
+            "run_dir": str(self.run_dir),
         }
 
     def _begin(self, resume: bool, tracker: Tracker) -> tuple[dict, dict, list[dict]]:
@@ -254,5 +300,12 @@ def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
     """tqdm on stderr; in a log file (not a terminal) a line every 10 s at most."""
     from tqdm import tqdm  # only where a bar is drawn
 
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, initial=initial,
-                mininterval=1.0 if sys.stderr.isatty() else 10.0, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=desc,
+        disable=not enabled,
+        file=sys.stderr,
+        initial=initial,
+        mininterval=1.0 if sys.stderr.isatty() else 10.0,
+        dynamic_ncols=True,
+    )

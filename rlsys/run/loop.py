@@ -5,6 +5,7 @@ calls: `rollouts` (prompt stream, buffer, overlap prefetch), `learner_group` (th
 trained policy), `weights` (the weight-sync strategy), `attached` (evaluators), `ctx` (the
 RolloutContext, its timings and the policy version).
 """
+
 from __future__ import annotations
 
 import time
@@ -82,10 +83,12 @@ def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) ->
     ctx = run.ctx
     rewards = np.asarray(table.column("reward").to_pylist())
     metrics = {
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
         "response_length": float(np.mean([len(x) for x in table.column("response_ids").to_pylist()])),
         "policy_lag": float(lag.mean()) if len(lag) else 0.0,
-        "samples": float(table.num_rows), "policy_version": float(ctx.policy_version),
+        "samples": float(table.num_rows),
+        "policy_version": float(ctx.policy_version),
     }
     if run.cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
         metrics["accuracy/train"] = float((rewards >= 1.0).mean())

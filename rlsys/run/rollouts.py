@@ -1,4 +1,5 @@
 """Where a step's rows come from: the prompt stream, the experience buffer, and the overlap prefetch."""
+
 from __future__ import annotations
 
 import random
@@ -48,8 +49,16 @@ class RolloutSource:
     rows are sampled while the learner trains (`prefetch`) and taken by the next `take`. Buffer
     calls are sent unawaited and awaited with the next call that returns something."""
 
-    def __init__(self, algorithm: Algorithm, ctx: ActorContext, buffer, stream: PromptStream, prompts_per_step: int,
-                 overlap: bool, steps: int):
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        ctx: ActorContext,
+        buffer,
+        stream: PromptStream,
+        prompts_per_step: int,
+        overlap: bool,
+        steps: int,
+    ):
         self.algorithm, self.ctx, self.buffer, self.stream = algorithm, ctx, buffer, stream
         self.prompts_per_step, self.overlap, self.steps = prompts_per_step, overlap, steps
         self.calls: list = []  # buffer calls in flight (put, set_policy_version)

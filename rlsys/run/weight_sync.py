@@ -10,6 +10,7 @@ The first two are sent, not awaited: an actor runs its calls in order, so the le
 these weights before its next step and a worker loads them before its next generate; the
 controller waits (`settle`) only when it next uses the workers' results or checkpoints.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -205,8 +206,10 @@ class BroadcastSync:
         index = self.policy.workers.index(worker)
         blocked = readmit_blocked(self.cfg)
         if blocked:
-            raise RunFailed(f"rollout worker {index} restarted; the weight-broadcast group cannot re-admit it under "
-                            f"{blocked}: resume from the last checkpoint")
+            raise RunFailed(
+                f"rollout worker {index} restarted; the weight-broadcast group cannot re-admit it under "
+                f"{blocked}: resume from the last checkpoint"
+            )
         open_weight_broadcast(self.cfg, self.policy.learners, self.policy.workers)
         self.send(self.version)
 

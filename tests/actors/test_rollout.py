@@ -1,0 +1,83 @@
+"""The transformers rollout backend samples from the distribution its logprobs describe."""
+
+import torch
+
+from actors.rollout import HFBackend
+from rlsys.generation import GenerationRequest, SamplingParams
+from rlsys.models import TinyModelSpec, build_tiny_model
+
+
+def test_sampling_draws_from_the_full_softmax(one_torch_thread):
+    """top_k=0 / top_p=1.0 sample the full softmax the learner differentiates: no default
+    truncation (transformers' global default is top_k=50) hides most of a near-uniform
+    256-token distribution, and the logprobs are that distribution's."""
+    spec = TinyModelSpec(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = build_tiny_model(spec, None, seed=0).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.01)  # near-uniform next-token distribution
+    model.config.eos_token_id, model.config.pad_token_id = 1, 0
+    params = SamplingParams(n=2000, max_new_tokens=1, temperature=1.0, seed=0)
+    gens = HFBackend("unused", model=model, batch_size=500).generate([GenerationRequest([5, 6, 7], params)])
+    first_tokens = {g.response_ids[0] for g in gens}
+    assert len(first_tokens) > 150
+    logprobs = torch.tensor([g.logprobs[0] for g in gens])
+    assert torch.allclose(logprobs, torch.full_like(logprobs, -torch.log(torch.tensor(256.0))), atol=0.05)
+
+
+def test_loaded_weights_are_read_in_place_not_copied():
+    """A weight sync points the rollout model at the received arrays (no copy into the model):
+    tied embeddings stay one tensor, the outputs are the new weights', and a missing or
+    misshapen tensor is named."""
+    import numpy as np
+    import pytest
+
+    spec = TinyModelSpec(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model, other = build_tiny_model(spec, None, seed=0).eval(), build_tiny_model(spec, None, seed=1).eval()
+    backend = HFBackend("unused", model=model)
+    weights = {k: v.numpy().copy() for k, v in other.state_dict().items()}
+    backend.load_weights(weights)
+    emb = model.model.embed_tokens.weight
+    assert emb.data_ptr() == weights["model.embed_tokens.weight"].__array_interface__["data"][0]
+    assert model.lm_head.weight is emb  # still tied
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, other(input_ids=ids).logits)
+    with pytest.raises(KeyError, match="lack"):
+        backend.load_weights({k: v for k, v in weights.items() if "mlp" not in k})
+    bad = dict(weights, **{"model.norm.weight": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        backend.load_weights(bad)
+
+
+def test_an_empty_prompt_is_named_before_any_generation():
+    import pytest
+
+    spec = TinyModelSpec(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    backend = HFBackend("unused", model=build_tiny_model(spec, None, seed=0).eval())
+    reqs = [
+        GenerationRequest([5, 6], SamplingParams(max_new_tokens=2)),
+        GenerationRequest([], SamplingParams(max_new_tokens=2)),
+    ]
+    with pytest.raises(ValueError, match="generation request 1 has an empty prompt"):
+        backend.generate(reqs)

@@ -1,0 +1,148 @@
+import subprocess
+import sys
+
+import pytest
+
+from algorithms.base import build_algorithm
+from rlsys.config import ConfigError, load_config
+
+QUICKSTART = "configs/quickstart.yaml"
+
+
+def test_quickstart_and_overrides():
+    cfg = load_config(QUICKSTART, ["algorithm.kl_coef=0.02", "trainer.steps=5", "task.operations=['+','-']"])
+    assert cfg.trainer.steps == 5 and cfg.algorithm_params()["kl_coef"] == 0.02
+    assert cfg.task.operations == ["+", "-"]
+    alg = build_algorithm(cfg)
+    assert alg.config.kl_coef == 0.02 and alg.name == "grpo"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.stepz=3", "unknown key 'trainer.stepz'"),
+        ("trainer.steps=many", "trainer.steps = 'many'"),
+        ("learner.lr=-1", "learner.lr = -1"),
+        ("rollout.backend=tpu", "rollout.backend = 'tpu'"),
+        ("nosuch.key=1", "unknown key 'nosuch'"),
+        ("trainer.steps", "not of the form key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(QUICKSTART, [override])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.kl_coeff=0.1", "unknown key 'algorithm.kl_coeff'"),
+        ("algorithm.group_size=1", "algorithm.group_size = 1"),
+        ("algorithm.name=dqn", "unknown algorithm 'dqn'"),
+    ],
+)
+def test_algorithm_keys_are_validated_by_the_algorithm(override, message):
+    cfg = load_config(QUICKSTART, [override])
+    with pytest.raises(ConfigError, match=message):
+        build_algorithm(cfg)
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  steps: [1\n")
+    for args in ([str(bad)], [QUICKSTART, "algorithm.clip_eps=5"], [QUICKSTART, "trainer.steps=-3"]):
+        p = subprocess.run(
+            [sys.executable, "-m", "rlsys.run.cli", "run", *args], capture_output=True, text=True, timeout=120
+        )
+        assert p.returncode == 2, p.stderr
+        lines = [l for l in p.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1 and lines[0].startswith("config error:"), p.stderr
+        assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["algorithm.name=ppo", "buffer.max_staleness=1"], "algorithm 'ppo' needs its rollout on the current policy"),
+        ([], "set buffer.max_staleness >= 1"),
+    ],
+)
+def test_overlapped_rollout_needs_an_algorithm_and_buffer_that_allow_it(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_algorithm(load_config(QUICKSTART, ["trainer.overlap_rollout=true", *extra]))
+    assert build_algorithm(load_config(QUICKSTART, ["trainer.overlap_rollout=true", "buffer.max_staleness=1"]))
+
+
+def test_shaping_a_judge_or_model_score_is_refused_when_the_algorithm_is_built():
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: 'task.shaping' shapes the task's rule reward, but reward.source "
+        r"is 'judge' \(its scores are not shaped\)",
+    ):
+        build_algorithm(load_config(QUICKSTART, ["task.shaping=[{repetition: {ngram: 2}}]", "reward.source=judge"]))
+    assert build_algorithm(load_config(QUICKSTART, ["task.shaping=[{repetition: {ngram: 2}}]"]))
+
+
+def test_check_job_takes_the_algorithm_it_is_given():
+    """The rules across sections look at the built algorithm (its capabilities), not at its name."""
+    from rlsys.config import check_job
+
+    cfg = load_config(QUICKSTART, ["trainer.overlap_rollout=true", "buffer.max_staleness=1"])
+    check_job(cfg, build_algorithm(cfg))
+    with pytest.raises(ConfigError, match="algorithm 'grpo' needs its rollout on the current policy"):
+        check_job(cfg, object())  # declares no TrainsOnStaleRows
+
+
+# ---- the reference: every key described, docs/configuration.md current ---------------------------
+def _algorithms() -> dict:
+    from algorithms.base import available, get_algorithm
+
+    return {name: get_algorithm(name) for name in available()}
+
+
+def _fields(model, prefix):
+    from pydantic import BaseModel
+
+    for key, field in model.model_fields.items():
+        yield f"{prefix}.{key}", field
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _fields(field.annotation, f"{prefix}.{key}")
+
+
+def test_every_config_key_has_a_description():
+    from rlsys.config import JobConfig
+
+    keys = list(_fields(JobConfig, "job")) + [
+        kv for name, cls in _algorithms().items() for kv in _fields(cls.Config, f"algorithm({name})")
+    ]
+    assert len(keys) > 150
+    missing = [key for key, field in keys if not (field.description or "").strip()]
+    assert not missing, f"config keys without a description: {', '.join(missing)}"
+    multiline = [key for key, field in keys if "\n" in field.description]
+    assert not multiline, f"descriptions are one line: {', '.join(multiline)}"
+
+
+def test_docs_configuration_md_is_current():
+    from pathlib import Path
+
+    from rlsys.config import config_reference
+
+    expected = config_reference(_algorithms())
+    committed = Path("docs/configuration.md")
+    assert committed.exists() and committed.read_text() == expected, (
+        "docs/configuration.md is not current: run `rlsys config doc --output docs/configuration.md`"
+    )
+
+
+def test_config_doc_command_prints_or_writes_the_reference(tmp_path):
+    out = tmp_path / "configuration.md"
+    p = subprocess.run(
+        [sys.executable, "-m", "rlsys.run.cli", "config", "doc", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    from rlsys.config import config_reference
+
+    assert out.read_text() == config_reference(_algorithms())

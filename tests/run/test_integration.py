@@ -1,0 +1,382 @@
+"""A tiny job on a real local Ray cluster: 2 rollout workers, a 2-rank DeepSpeed learner."""
+
+import json
+
+import pytest
+
+from rlsys.config import load_config
+
+pytestmark = pytest.mark.integration
+
+TINY = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "task.num_train=200",
+    "task.num_eval=16",
+    "task.max_value=9",
+    "sft.steps=5",
+    "trainer.prompts_per_step=4",
+    "trainer.eval_every=2",
+    "rollout.max_new_tokens=4",
+    "rollout.num_workers=2",
+]
+
+
+def run_job(tmp_path, algorithm, extra=()):
+    from rlsys.run.controller import Controller
+
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [*TINY, f"run.output_dir={tmp_path}", f"run.name={algorithm}", f"algorithm.name={algorithm}", *extra],
+    )
+    controller = Controller(cfg, tmp_path / algorithm, progress=False)
+    return controller, controller.run()
+
+
+def test_grpo_two_rank_learner_two_workers(ray_cluster, tmp_path):
+    from actors.learner import lr_multiplier
+
+    controller, summary = run_job(
+        tmp_path,
+        "grpo",
+        [
+            "trainer.steps=3",
+            "learner.num_ranks=2",
+            "learner.zero_stage=2",
+            "learner.lr_schedule=linear",
+            "learner.warmup_steps=1",
+            "learner.min_lr_ratio=0.2",
+        ],
+    )
+    run_dir = tmp_path / "grpo"
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    lr = controller.cfg.learner.lr  # the schedule is stepped by the DeepSpeed engine on both ranks
+    assert [r["lr"] for r in rows] == pytest.approx([lr * lr_multiplier(s, 3, 1, "linear", 0.2) for s in range(3)])
+    assert rows[2]["lr"] == pytest.approx(0.6 * lr)
+    for key in (
+        "reward/mean",
+        "accuracy/train",
+        "kl_ref",
+        "loss",
+        "time/generate",
+        "time/train",
+        "time/sync",
+        "perf/tokens_per_s",
+    ):
+        assert key in rows[0], key
+    assert rows[0]["samples"] == 4 * 8  # prompts_per_step x the quickstart group_size
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert len(acc.Scalars("reward/mean")) == 3
+    assert "eval/heldout/accuracy" in acc.Tags()["scalars"]
+    # every rollout worker holds the newest policy version, and it equals the learner's
+    versions = ray_cluster.get([w.policy_version.remote() for w in controller.workers])
+    assert versions == [3, 3]
+    evals = [json.loads(l) for l in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert [e["policy_version"] for e in evals] == [0, 2, 3]
+    assert (run_dir / "config.yaml").exists() and (run_dir / "policy_init" / "model.safetensors").exists()
+    # the weights the workers serve are the learner's
+    import numpy as np
+
+    learner_weights = ray_cluster.get(controller.learners[0].weights.remote())
+    worker_stats = ray_cluster.get(controller.workers[1].stats.remote())
+    assert worker_stats["version"] == 3 and worker_stats["tokens"] > 0
+    assert all(np.isfinite(v).all() for v in learner_weights.values())
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
+def test_ppo_and_rloo_run(ray_cluster, tmp_path, algorithm):
+    _, summary = run_job(tmp_path, algorithm, ["trainer.steps=2", "rollout.num_workers=1"])
+    rows = [json.loads(l) for l in (tmp_path / algorithm / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and summary["steps"] == 2
+    if algorithm == "ppo":
+        assert "loss/value" in rows[0]
+
+
+@pytest.mark.parametrize("weight_sync", ["auto", "object_store"])  # auto: shared memory on this one node
+def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cluster, tmp_path, weight_sync):
+    import os
+    import signal
+
+    from rlsys.generation import GenerationRequest
+    from rlsys.run.controller import Controller
+
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [*TINY, f"run.output_dir={tmp_path}", "run.name=faults", f"trainer.weight_sync={weight_sync}"],
+    )
+    c = Controller(cfg, tmp_path / "faults", progress=False)
+    c.start_actors(c.prepare_policy())
+    c.sync_weights(1)  # the workers now hold version 1; a restarted one would come back at 0
+    worker = c.workers[0]
+    requests = [GenerationRequest(p.prompt_ids, c.ctx.sampling(n=3, seed=5)) for p in c.stream.next(8)]
+    pid = ray_cluster.get(worker.pid.remote())
+    os.kill(pid, signal.SIGKILL)  # dies before/while serving its share of the next call
+    gens = c.ctx.generate(requests)
+    assert sorted(g.request_index for g in gens) == sorted(list(range(8)) * 3)
+    assert {g.policy_version for g in gens} == {1}
+    assert c.ctx.restarted_workers == 1
+    assert ray_cluster.get(worker.pid.remote()) != pid
+
+
+def test_weight_sync_is_sent_unawaited_and_its_failure_surfaces_at_the_next_generate(ray_cluster, tmp_path):
+    import time
+
+    from rlsys.generation import GenerationRequest
+    from rlsys.placement import WeightSyncTimeout
+    from rlsys.run.controller import Controller
+
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [*TINY, f"run.output_dir={tmp_path}", "run.name=unawaited", "trainer.sync_timeout_s=1"],
+    )
+    c = Controller(cfg, tmp_path / "unawaited", progress=False)
+    c.start_actors(c.prepare_policy())
+    requests = [GenerationRequest(p.prompt_ids, c.ctx.sampling(n=2, seed=5)) for p in c.stream.next(4)]
+    busy = c.workers[1].__ray_call__.remote(lambda self: time.sleep(4))  # cannot load weights for 4 s
+    c.sync_weights(1)  # returns although worker 1 cannot acknowledge within sync_timeout_s
+    assert c.ctx.policy_version == 1
+    with pytest.raises(WeightSyncTimeout, match="policy version 1 did not complete within 1 s \\(1 of 2 rollout"):
+        c.ctx.generate(requests)
+    ray_cluster.get(busy)
+    c.sync_weights(2)
+    gens = c.ctx.generate(requests)  # each worker loaded version 2 before generating: no restart, no stale row
+    assert {g.policy_version for g in gens} == {2} and c.ctx.restarted_workers == 0
+    assert sorted(g.request_index for g in gens) == sorted(list(range(4)) * 2)
+    c.shutdown()
+
+
+def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray_cluster, tmp_path):
+    """GRPO groups with equal rewards (no KL term) are left out of the learner's forward and
+    backward, and each group's prompt runs once; its loss, gradient norm, clipping and AdamW steps
+    are those of plain torch on every row."""
+    import numpy as np
+    import torch
+
+    from actors.learner import Learner
+    from actors.modeling import PolicyOnly
+    from algorithms.grpo import GRPO
+    from rlsys.batch import collate
+    from rlsys.cluster import free_port
+    from rlsys.contract import ModelOutputs
+    from rlsys.experience import make_experience
+    from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir, train_tokenizer
+
+    tok = train_tokenizer([f"{a}+{b}={a + b}" for a in range(30) for b in range(30)], vocab_size=64)
+    model_dir = save_model_dir(
+        build_tiny_model(
+            TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64), tok, seed=4
+        ),
+        tok,
+        tmp_path / "policy",
+    )
+    policy = PolicyOnly(load_model(str(model_dir)))
+    rng = np.random.default_rng(0)
+
+    def batch(rewards):  # groups of 4 sharing a prompt, responses of 1-6 tokens, old logprobs of the current weights
+        prompts = [rng.integers(3, 64, rng.integers(2, 8)).tolist() for _ in range(len(rewards) // 4)]
+        rows = [
+            dict(
+                uid=f"{i}",
+                group=str(i // 4),
+                prompt_ids=prompts[i // 4],
+                response_ids=rng.integers(3, 64, rng.integers(1, 7)).tolist(),
+                logprobs=[],
+                reward=float(r),
+                policy_version=0,
+                meta={},
+            )
+            for i, r in enumerate(rewards)
+        ]
+        with torch.no_grad():
+            b = collate(make_experience(rows))
+            old = policy(b.input_ids, b.attention_mask)[1]
+        for row, lp, m in zip(rows, old, b.response_mask):
+            row["logprobs"] = lp[m > 0].tolist()
+        return algo.prepare(make_experience(rows))
+
+    algo = GRPO(GRPO.Config(group_size=4, kl_coef=0.0))
+    steps = [
+        batch([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]),  # two groups of equal rewards
+        batch([0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]),  # three
+        batch([1, 1, 1, 1] * 4),
+    ]  # every group: the step's gradient is zero
+    for grad_clip in (0.0, 0.05):  # unclipped, and clipped at every step (the norms here are ~0.1-1)
+        policy = PolicyOnly(load_model(str(model_dir)))
+        learner = ray_cluster.remote(Learner).remote(
+            str(model_dir), algo, lr=1e-2, grad_clip=grad_clip, master_port=free_port()
+        )
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
+        for b, left_out in zip(steps, [0.5, 0.75, 1.0]):
+            metrics = ray_cluster.get(learner.train_step.remote(b))
+            logits, logprobs, _ = policy(b.input_ids, b.attention_mask)
+            loss = algo.loss(ModelOutputs(logits, logprobs), b)[0]  # every row
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip or float("inf"))
+            opt.step()
+            assert metrics["rows_without_gradient"] == left_out
+            assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
+            assert metrics["grad_norm"] == pytest.approx(norm.item(), rel=1e-4, abs=1e-7)
+            assert grad_clip == 0 or left_out == 1.0 or norm > grad_clip  # the clip acted
+        theirs = ray_cluster.get(learner.weights.remote())
+        for name, p in policy.policy.state_dict().items():
+            np.testing.assert_allclose(theirs[name], p.detach().numpy(), atol=1e-4, err_msg=name)
+        ray_cluster.kill(learner)
+
+
+def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_cluster, tmp_path):
+    import os
+    import signal
+
+    from rlsys import checkpoint
+    from rlsys.run.controller import Controller, LearnerFailed
+
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [*TINY, f"run.output_dir={tmp_path}", "run.name=learner_dies", "rollout.num_workers=1"],
+    )
+    c = Controller(cfg, tmp_path / "learner_dies", progress=False)
+    c.start_actors(c.prepare_policy())
+    c.train_step()
+    saved = c.save_checkpoint()
+    pid = ray_cluster.get(c.learners[0].__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(LearnerFailed) as err:
+        c.train_step()
+    message = str(err.value)
+    assert "\n" not in message and "learner rank 0 of 1 died during step 2" in message
+    assert f"resume from {saved.name}" in message and "rlsys resume" in message
+    assert checkpoint.verify(saved)["step"] == 1  # what was saved is intact and resumable
+
+
+def test_overlapped_rollout_trains_on_rows_one_version_old_and_checkpoints_them(ray_cluster, tmp_path):
+    """trainer.overlap_rollout: the next step's rows are generated while the learner trains, by
+    the policy a version behind; the prefetched rows are in the checkpointed buffer, and the last
+    step prefetches nothing."""
+    import pyarrow.parquet as pq
+
+    controller, summary = run_job(
+        tmp_path,
+        "grpo",
+        ["trainer.steps=3", "trainer.overlap_rollout=true", "buffer.max_staleness=1", "trainer.checkpoint_every=2"],
+    )
+    rows = [json.loads(l) for l in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["samples"] for r in rows] == [32, 32, 32] and summary["steps"] == 3
+    saved = pq.read_table(tmp_path / "grpo" / "checkpoints" / "step_2" / "buffer.parquet")
+    assert saved.num_rows == 32 and set(saved.column("policy_version").to_pylist()) == {1}
+    stats = ray_cluster.get(controller.buffer.stats.remote())
+    assert stats["size"] == 0 and stats["dropped_stale"] == 0
+
+
+def test_zero3_learner_syncs_its_gathered_weights(ray_cluster, tmp_path):
+    """Under ZeRO-3 the weights are gathered from both ranks and copied out before the gathered
+    buffers are released: the workers serve exactly the learner's trained weights."""
+    import numpy as np
+
+    from actors.modeling import state_dict_numpy
+    from rlsys.models import load_model
+
+    # the length-shaped reward varies within a group, so the advantages (and the update) are not zero
+    controller, _ = run_job(
+        tmp_path,
+        "grpo",
+        [
+            "trainer.steps=2",
+            "learner.num_ranks=2",
+            "learner.zero_stage=3",
+            "rollout.num_workers=1",
+            "task.shaping=[{cosine_length: {max_length: 24}}]",
+        ],
+    )
+    served = ray_cluster.get(controller.workers[0].__ray_call__.remote(lambda w: state_dict_numpy(w.backend.model)))
+    refs = [l.weights.remote() for l in controller.learners]  # every rank joins the gather
+    learner = ray_cluster.get(refs)[0]
+    initial = state_dict_numpy(load_model(tmp_path / "grpo" / "policy_init"))
+    assert set(served) == set(learner)
+    assert all(np.array_equal(served[k], learner[k]) for k in learner)
+    assert any(not np.array_equal(initial[k], learner[k]) for k in learner)
+
+
+def test_actors_the_cluster_cannot_place_fail_in_one_line(ray_cluster, tmp_path):
+    """A cluster whose CPUs another job holds: the run stops with one line saying so, instead of
+    its actors pending forever."""
+    from rlsys.errors import RunFailed
+
+    hog = ray_cluster.remote(num_cpus=ray_cluster.cluster_resources()["CPU"] - 0.5)(
+        type("Hog", (), {"ok": lambda self: 1})
+    )
+    hog = hog.remote()
+    ray_cluster.get(hog.ok.remote())
+    try:
+        with pytest.raises(RunFailed, match=r"did not start within 5 s .* logical CPUs free") as e:
+            run_job(tmp_path, "grpo", ["trainer.steps=1", "trainer.start_timeout_s=5", "rollout.num_workers=1"])
+        assert "\n" not in str(e.value)
+    finally:
+        ray_cluster.kill(hog)
+    import time
+
+    deadline = time.time() + 30  # nothing of the failed run stays queued: all CPUs come back
+    while (
+        ray_cluster.available_resources().get("CPU", 0) < ray_cluster.cluster_resources()["CPU"]
+        and time.time() < deadline
+    ):
+        time.sleep(0.5)
+    assert ray_cluster.available_resources().get("CPU", 0) == ray_cluster.cluster_resources()["CPU"]
+
+
+def test_a_local_qwen3_model_dir_trains_through_every_actor(ray_cluster, tmp_path):
+    """`model.path`: a Qwen3 directory made here (an RMSNorm on every query and key head, tied
+    embeddings) loaded with `from_pretrained`; GRPO steps through the warm-up, the DeepSpeed
+    learner, the reference, the lean-decode rollout and the shared-memory weight sync. After
+    training, the worker's greedy answers are what transformers' `generate` gives with the
+    learner's weights."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from actors.rollout import HFBackend
+    from rlsys.generation import GenerationRequest, SamplingParams
+    from rlsys.models import save_model_dir, train_tokenizer
+
+    tok = train_tokenizer([f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], 128)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    torch.manual_seed(0)
+    model_dir = save_model_dir(Qwen3ForCausalLM(config), tok, tmp_path / "qwen3")
+    controller, summary = run_job(
+        tmp_path, "grpo", [f"model.path={model_dir}", "trainer.steps=2", "rollout.num_workers=1"]
+    )
+    rows = [json.loads(l) for l in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and [r["step"] for r in rows] == [1, 2] and rows[0]["samples"] == 4 * 8
+    assert json.loads((tmp_path / "grpo" / "policy_init" / "config.json").read_text())["model_type"] == "qwen3"
+
+    weights = ray_cluster.get(controller.learners[0].weights.remote())
+    plain = HFBackend("unused", model=Qwen3ForCausalLM(config).eval(), decode="generate")
+    plain.load_weights(weights)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    requests = [
+        GenerationRequest(tok(p, add_special_tokens=False)["input_ids"], greedy) for p in ("3+4=", "12+9=", "5+5=")
+    ]
+    served = ray_cluster.get(controller.workers[0].generate.remote(requests))
+    stats = ray_cluster.get(controller.workers[0].stats.remote())
+    assert stats["version"] == 2 and stats["lean_decode"]
+    assert [g.response_ids for g in served] == [g.response_ids for g in plain.generate(requests)]
