@@ -12,7 +12,7 @@ have stopped leave the batch, so the cost follows the live rows, and a prompt sa
 The arithmetic reads the model's own weights, fused per layer (q/k/v and gate/up each one
 matmul, the RMSNorm weights folded into their columns; kept until a weight changes) and its
 rotary module, so weights loaded into the model (weight sync, re-quantisation) are what this
-loop uses; logits match the model's forward to float rounding (tests/test_lean_decode.py).
+loop uses; logits match the model's forward to float rounding (tests/actors/test_lean_decode.py).
 The loop runs under `torch.inference_mode` (nothing it makes is ever differentiated).
 """
 

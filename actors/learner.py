@@ -31,7 +31,7 @@ from actors.modeling import (
 from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
 from actors.weight_broadcast import BroadcastGroup, weight_manifest
 from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient
-from rlsys.models import load_model
+from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
 
 
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
@@ -142,6 +142,7 @@ class Learner:
                 min_ratio=min_lr_ratio,
             ),
         )
+        self.model_dir = model_dir  # the initial policy: its tokenizer goes with every export
         self.engine, self.optimizer = self._build_engine(model_dir)
         self.weight_broadcast = None  # rank 0's BroadcastGroup under trainer.weight_sync=broadcast
         self.shared = None  # rank 0's SharedWeights under trainer.weight_sync=shared_memory
@@ -173,6 +174,7 @@ class Learner:
         """Start over from the policy in `model_dir`: its weights, a fresh optimizer and lr
         schedule (ReST retrains from the initial model each round). Collective: every rank."""
         self.engine, self.optimizer = None, None  # free the old engine before building the new one
+        self.model_dir = model_dir
         self.engine, self.optimizer = self._build_engine(model_dir)
         return self.rank
 
@@ -364,9 +366,13 @@ class Learner:
             raise RuntimeError(f"no learner checkpoint in {path}")
 
     def export_hf(self, path: str) -> None:
-        """`save_pretrained` of the policy (rank 0)."""
+        """A model dir of the policy at `path` (rank 0): its `save_pretrained` and the tokenizer
+        of the dir it started from beside it, so `AutoModelForCausalLM` and `AutoTokenizer` both
+        load `path`."""
         if self.rank == 0:
             self.module.policy.save_pretrained(path, safe_serialization=True)
+            if find_tokenizer_dir(self.model_dir) is not None:
+                save_tokenizer(load_tokenizer(self.model_dir), path)
 
     def ready(self) -> int:
         return self.rank

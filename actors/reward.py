@@ -3,6 +3,9 @@
 Rule path: decode each response and call `task.reward(row, text)` with the row stored in
 the experience's `meta`; a task with `shaping` (config `task.shaping`, envs/rewards.py) has
 its reward shaped from the response's token ids (cosine length reward, repetition penalty).
+With a `scorer` (a `reward.function` or a reward server: envs/reward_runner.py, built where the
+actor is asked for) the rows' prompts, responses and rows go to `scorer.score` instead, and
+`take_metrics` hands on its per-step metrics (reward/errors, the function's own).
 Model path: `AutoModelForSequenceClassification` from a local directory scores prompt +
 response (the logit of its single label). A reward model dir with its own tokenizer (`rlsys
 rm train` saves one) scores the decoded text re-encoded with it; without one, the policy's
@@ -18,17 +21,20 @@ import torch
 
 from actors.modeling import pad_sequences, prompt_aligned_chunks, quiet_transformers
 from rlsys.logprobs import shared_prompt_passes
-from rlsys.models import load_tokenizer
+from rlsys.models import find_tokenizer_dir, load_tokenizer
 
 
 class RewardWorker:
-    def __init__(self, tokenizer_dir: str, task=None, reward_model_dir: str | None = None, threads: int = 1):
+    def __init__(
+        self, tokenizer_dir: str, task=None, reward_model_dir: str | None = None, threads: int = 1, scorer=None
+    ):
         torch.set_num_threads(threads)
         quiet_transformers()
         if (task is None) == (reward_model_dir is None):
             raise ValueError("RewardWorker needs exactly one of a task (rule reward) or a reward model dir")
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.task = task
+        self.scorer = scorer
         self.model = None
         if reward_model_dir is not None:
             self.reward_model = RewardModel(reward_model_dir)
@@ -48,10 +54,16 @@ class RewardWorker:
             return self._model_scores(table)
         texts = self.decode(table)
         metas = [json.loads(m) for m in table.column("meta").to_pylist()]
+        if self.scorer is not None:
+            return self.scorer.score([self.task.prompt_text(m) for m in metas], texts, metas)
         if getattr(self.task, "shaping", None):  # task.shaping (envs/rewards.py): token lengths and ids
             ids = table.column("response_ids").to_pylist()
             return [float(self.task.shaped_reward(meta, text, r).reward) for meta, text, r in zip(metas, texts, ids)]
         return [float(self.task.reward(meta, text)) for meta, text in zip(metas, texts)]
+
+    def take_metrics(self) -> dict[str, float]:
+        """The scorer's metrics since the last call ({} for the task's own reward or a reward model)."""
+        return self.scorer.take_metrics() if self.scorer is not None else {}
 
     @torch.no_grad()
     def _model_scores(self, table: pa.Table, batch_size: int = 32) -> list[float]:
@@ -68,8 +80,8 @@ class RewardWorker:
 
 class RewardModel:
     """A sequence-classification reward model from a local dir, with its own tokenizer when the
-    dir has one (`<dir>/tokenizer` or `<dir>/tokenizer.json`), else `tokenizer`: r(x, y) = the
-    single logit on the text x + y."""
+    dir has one (`<dir>/tokenizer.json`, or `<dir>/tokenizer/` as older rlsys wrote it), else
+    `tokenizer`: r(x, y) = the single logit on the text x + y."""
 
     def __init__(self, model_dir: str, batch_size: int = 32, tokenizer=None):
         from pathlib import Path
@@ -81,7 +93,7 @@ class RewardModel:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a reward model directory (no config.json)")
         self.model = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True).eval()
-        has_tokenizer = (path / "tokenizer" / "tokenizer.json").exists() or (path / "tokenizer.json").exists()
+        has_tokenizer = find_tokenizer_dir(path) is not None
         self.tokenizer = load_tokenizer(path) if has_tokenizer else tokenizer  # else: the caller's (the policy's)
         self.batch_size = batch_size
 

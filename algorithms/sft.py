@@ -14,15 +14,24 @@ import torch
 from algorithms.common import masked_mean
 from rlsys.batch import TrainBatch, collate_ids
 from rlsys.logprobs import forward_logprobs
+from rlsys.prompts import prompt_ids
 
 
 def sft_ids(tokenizer, rows: Sequence[dict], task) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of each row's prompt and of its answer + eos."""
-    prompts = [tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in rows]
+    """Token ids of each row's prompt (as the rollout gives it: `prompt_ids`) and of its answer + eos."""
+    prompts = [prompt_ids(task, tokenizer, r)[0] for r in rows]
     answers = [
-        tokenizer(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows
+        tokenizer(demonstration(task, r), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for r in rows
     ]
     return prompts, answers
+
+
+def demonstration(task, row: dict) -> str:
+    """The answer the warm-up teaches: the task's `demonstration(row)` where it has one (the dataset
+    task's answer column), else the row's "answer"."""
+    demo = getattr(task, "demonstration", None)  # getattr: task wrappers (ShapedTask) delegate attributes
+    return demo(row) if demo is not None else str(row["answer"])
 
 
 def sft_batch(tokenizer, rows: Sequence[dict], task) -> TrainBatch:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from envs.arithmetic import ArithmeticTask
+from envs.dataset_task import DatasetTask
 from envs.rewards import with_shaping
 
-TASKS = ("arithmetic", "code", "humaneval")
+TASKS = ("arithmetic", "code", "humaneval", "dataset")
 
 
 def make_task(task_cfg, data_dir: Path, seed: int):
@@ -22,6 +23,8 @@ def make_task(task_cfg, data_dir: Path, seed: int):
             if task_cfg.train_path
             else CodeTask.humaneval(data_dir, task_cfg.num_train, task_cfg.num_eval)
         )
+    elif task_cfg.name == "dataset":  # a user's rows, prompts and answers (envs/dataset_task.py)
+        task = DatasetTask.from_config(task_cfg)
     elif task_cfg.train_path:
         task = ArithmeticTask(Path(task_cfg.train_path), Path(task_cfg.eval_path or task_cfg.train_path))
     else:

@@ -14,10 +14,13 @@ algorithm, are `check_job`, which `build_algorithm` calls. Every key has a descr
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin
+from urllib.parse import urlparse
 
 import annotated_types
 import yaml
@@ -86,18 +89,53 @@ class TaskConfig(Section):
     name: str = Field(
         "arithmetic",
         description="the task (envs/registry.py): arithmetic (exact-answer arithmetic "
-        "problems), code or humaneval (multi-turn code in the sandbox; RLEF)",
+        "problems), code or humaneval (multi-turn code in the sandbox; RLEF), dataset (a user's "
+        "rows: task.train_path, prompts through the chat template, any reward; envs/dataset_task.py)",
     )
     train_path: Optional[str] = Field(
         None,
-        description="jsonl/parquet of training rows ({prompt, answer}; code: "
-        "{prompt, public_tests, private_tests}); null: arithmetic generates problems, "
-        "code takes HumanEval",
+        validate_default=True,
+        description="training rows ({prompt, answer}; code: {prompt, public_tests, private_tests}): "
+        "jsonl/parquet, and for task.name=dataset also .json or a Dataset.save_to_disk directory "
+        "(relative paths: to the working directory); null: arithmetic generates problems, code takes "
+        "HumanEval (required for dataset)",
     )
     eval_path: Optional[str] = Field(
         None,
-        description="jsonl/parquet of held-out rows; null: the train_path rows "
+        description="held-out rows, in a format train_path takes; null: the train_path rows "
         "(with train_path), else the generated or HumanEval held-out split",
+    )
+    prompt_key: str = Field(
+        "prompt",
+        min_length=1,
+        description="dataset: the column of the prompt, a string or chat messages "
+        '([{"role": ..., "content": ...}, ...], the conversational format of HF datasets)',
+    )
+    answer_key: str = Field(
+        "answer",
+        min_length=1,
+        description="dataset: the column of the reference answer (a string or a number); the whole row, "
+        "every column, reaches the reward function",
+    )
+    system_prompt: Optional[str] = Field(
+        None,
+        description="dataset: a system message put before each prompt that has none of its own (null: none)",
+    )
+    chat_template: Optional[bool] = Field(
+        None,
+        description="dataset: build prompts with the tokenizer's chat template (apply_chat_template with the "
+        "generation prompt); null: when the tokenizer has one; false: the messages' text as it is",
+    )
+    max_prompt_tokens: Optional[int] = Field(
+        None,
+        ge=1,
+        description="dataset: longest prompt kept, in tokens (template applied); null: the model's context "
+        "(max_position_embeddings) less rollout.max_new_tokens",
+    )
+    drop_long_prompts: bool = Field(
+        True,
+        description="dataset: drop the prompts over task.max_prompt_tokens, with one count on stderr; "
+        "false: such a prompt stops the run before any actor starts, naming its file and row",
     )
     num_train: int = Field(
         4000,
@@ -122,6 +160,13 @@ class TaskConfig(Section):
         "reward: names or {name: {params}} (cosine_length, repetition; envs/rewards.py checks "
         "them)",
     )
+
+    @field_validator("train_path")
+    @classmethod
+    def _train_path(cls, v, info):
+        if v is None and info.data.get("name") == "dataset":
+            raise ValueError("is required when task.name is 'dataset'")
+        return v
 
 
 class SFTConfig(Section):
@@ -277,6 +322,12 @@ class TrainerConfig(Section):
         0, ge=0, description="checkpoint every this many steps and after the last (0: no checkpoints, so no resume)"
     )
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
+    log_samples: int = Field(
+        4,
+        ge=0,
+        description="rollout rows per step written to runs/<name>/samples.jsonl and TensorBoard's text tab: the "
+        "prompt as the model saw it (template applied), the response, the reward (0: none)",
+    )
     sync_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -388,14 +439,26 @@ def _model_dir_for(source: str, v, info, required: bool):
     return v
 
 
-class RewardConfig(Section):
-    """Where rewards come from: the task's rule, a sequence-classification reward model, or a judge."""
+BUILTIN_REWARD_FUNCTIONS = ("math", "exact", "choice", "regex", "code")  # envs/reward_functions.py BUILTINS
 
-    source: Literal["rule", "model", "judge"] = Field(
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class RewardConfig(Section):
+    """Where rewards come from: the task's rule or a reward function, a sequence-classification reward model, a
+    judge, or a reward server."""
+
+    source: Literal["rule", "model", "judge", "http"] = Field(
         "rule",
-        description="rule: the task's own reward (its answer "
-        "checker); model: reward.model_dir's score; judge: the "
-        "generative judge's verdict (reward.judge)",
+        description="rule: the task's own reward (its answer checker) or reward.function; model: reward.model_dir's "
+        "score; judge: the generative judge's verdict (reward.judge); http: a reward server (reward.url)",
     )
     model_dir: Optional[str] = Field(
         None,
@@ -404,6 +467,74 @@ class RewardConfig(Section):
     )
     judge_dir: Optional[str] = Field(
         None, description="judge causal LM dir (reward.source=judge); null: the initial policy judges"
+    )
+    function: Optional[str] = Field(
+        None,
+        description="reward.source=rule: the reward function, a built-in (math, exact, choice, regex, code; "
+        "envs/reward_functions.py), path/to/file.py:name (a relative path: from the working directory, then from "
+        "the config file's directory) or package.module:name, called as name(prompt, response, row) and returning "
+        "a float or a dict with `reward` and extra numbers (logged as reward/<key> means); null: the task's own reward",
+    )
+    answer_key: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="the row's column that holds the reference answer (math, exact, choice); null: the task's "
+        "(task.answer_key of task.name=dataset), else answer",
+    )
+    pattern: Optional[str] = Field(
+        None,
+        validate_default=True,
+        description="reward.function=regex (required there): a Python regular expression; a response in which it is "
+        "found (re.search: anchor it with ^ and $ to ask for the whole response) gets 1, any other 0",
+    )
+    batched: bool = Field(
+        False,
+        description="call a user's reward.function once per scoring call as name(prompts, responses, rows) -> list",
+    )
+    workers: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="worker processes that run reward.function, one row at a time each; a worker past "
+        "reward.timeout_s is killed and replaced",
+    )
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the most one row of reward.function may take (batched: one call; code: at least "
+        "sandbox.wall_time_s + 10), or one request to reward.url, in seconds; a row past it gets reward.on_error",
+    )
+    on_error: float = Field(
+        0.0,
+        description="the reward of a row whose function raises, times out or returns a non-number (or that the "
+        "server answers null for); each such row counts in reward/errors, and the first error is printed",
+    )
+    max_error_rate: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="the run stops, naming the function and its last error, when this fraction of the rows of the "
+        "last reward.error_window scoring calls failed (1: every row)",
+    )
+    error_window: int = Field(
+        3, ge=1, description="scoring calls reward.max_error_rate looks back over (one per step for most algorithms)"
+    )
+    allow_remote: bool = Field(
+        False, description="allow a reward.url that is not a loopback address (rows and responses leave the machine)"
+    )
+    url: Optional[str] = Field(
+        None,
+        validate_default=True,
+        description="reward.source=http (required there): the reward server, sent one POST per scoring call "
+        'with {"items": [{"prompt", "response", "row"}, ...]} and answering {"rewards": [...]}; a loopback '
+        "address unless reward.allow_remote",
+    )
+    retries: int = Field(
+        3,
+        ge=0,
+        le=20,
+        description="reward.source=http: tries after the first (backoff 0.5 s, doubling) before the run stops with "
+        "one line naming the URL",
     )
     judge: JudgeConfig = Field(
         JudgeConfig(),
@@ -420,6 +551,84 @@ class RewardConfig(Section):
     @classmethod
     def _judge_dir(cls, v, info):
         return _model_dir_for("judge", v, info, required=False)
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, v, info):
+        if v is None:
+            return v
+        if info.data.get("source") != "rule":
+            raise ValueError(f"is used by reward.source 'rule' only (reward.source is '{info.data.get('source')}')")
+        if v in BUILTIN_REWARD_FUNCTIONS:
+            return v
+        target, _, name = v.rpartition(":")
+        module = all(part.isidentifier() for part in target.split("."))
+        if not name.isidentifier() or not (target.endswith(".py") or module):
+            raise ValueError(
+                f"must be a built-in ({', '.join(BUILTIN_REWARD_FUNCTIONS)}), path/to/file.py:name or "
+                f"package.module:name"
+            )
+        return v
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, v, info):
+        regex = info.data.get("function") == "regex"
+        if v is None:
+            if regex:
+                raise ValueError("is required when reward.function is 'regex'")
+            return v
+        if not regex:
+            raise ValueError("is used by reward.function 'regex' only")
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"is not a valid regular expression ({e})") from None
+        return v
+
+    @field_validator("batched")
+    @classmethod
+    def _batched(cls, v, info):
+        if v and info.data.get("function") in (None, *BUILTIN_REWARD_FUNCTIONS):
+            raise ValueError("is for a user's reward.function (path/to/file.py:name or package.module:name) only")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v, info):
+        source = info.data.get("source")
+        if v is None:
+            if source == "http":
+                raise ValueError("is required when reward.source is 'http'")
+            return v
+        if source != "http":
+            raise ValueError(f"is used by reward.source 'http' only (reward.source is '{source}')")
+        parsed = urlparse(v)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError("must be an http:// or https:// URL")
+        if not info.data.get("allow_remote") and not _is_loopback(parsed.hostname):
+            raise ValueError(
+                "is not a loopback address: rows and responses would leave this machine (set reward.allow_remote: "
+                "true to allow it)"
+            )
+        return v
+
+    def located_function(self, config_dir: Path | None) -> Optional[str]:
+        """reward.function with its file (path/to/file.py:name) found and made absolute: a relative path is looked
+        up from the working directory, then from `config_dir` (the config file's); ConfigError when it is in
+        neither. Built-ins and module paths as they are."""
+        target, _, name = (self.function or "").rpartition(":")
+        if not target.endswith(".py") or self.function in BUILTIN_REWARD_FUNCTIONS:
+            return self.function
+        path = Path(target)
+        places = [path] if path.is_absolute() else [Path.cwd() / path]
+        if config_dir is not None and not path.is_absolute():
+            places.append(Path(config_dir) / path)
+        for place in places:
+            if place.is_file():
+                return f"{place.resolve()}:{name}"
+        where = " or ".join(str(p.parent) for p in places)
+        raise ConfigError(f"config error: reward.function = {self.function!r}: no file {target} in {where}")
 
 
 class AlgorithmSection(BaseModel):
@@ -511,7 +720,7 @@ REFERENCE_INTRO = """\
 # Configuration reference
 
 <!-- Generated from the config models by `rlsys config doc --output docs/configuration.md`;
-     tests/test_config.py fails when it is not current. Edit the descriptions in the code. -->
+     tests/floor/test_config.py fails when it is not current. Edit the descriptions in the code. -->
 
 A job is one YAML file of sections (`configs/*.yaml`). `rlsys run CONFIG key=value ...` overrides
 any key by its dotted name, the value read as YAML (`trainer.steps=5`, `algorithm.kl_coef=0.02`,
@@ -698,7 +907,9 @@ def load_yaml(path: str | Path) -> dict:
 def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> JobConfig:
     raw = load_yaml(path) if path is not None else (data or {})
     raw = apply_overrides(raw, list(overrides))
-    return validate_section(JobConfig, raw)
+    cfg = validate_section(JobConfig, raw)
+    cfg.reward.function = cfg.reward.located_function(Path(path).parent if path is not None else None)
+    return cfg
 
 
 def dump_config(cfg: JobConfig) -> str:

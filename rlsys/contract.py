@@ -7,7 +7,7 @@ machinery. The optional parts are named capabilities, declared on the algorithm'
     @register("grpo")
     class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows): ...
 
-and tested with `isinstance` by the controller and the learner. tests/test_contract.py checks
+and tested with `isinstance` by the controller and the learner. tests/architecture/test_contract.py checks
 that every registered algorithm defines each member of what it declares and has no public
 member that none of them names (a misspelt hook would otherwise never be called).
 """

@@ -2,11 +2,14 @@
 
 The job's entrypoint is `python -m rlsys.run.cli run CONFIG ...` with this directory as its
 working dir; its run dir is written under this directory's `runs/` (an absolute path,
-so on a remote cluster that path must be shared storage, or set run.output_dir).
+so on a remote cluster that path must be shared storage, or set run.output_dir). A reward
+function file (`reward.function: path/file.py:name`) outside this directory travels as a
+single-file module (`reward_file_shipping`): only that file, not the modules beside it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import sys
@@ -57,7 +60,36 @@ def client(address: str):
     return JobSubmissionClient(address)
 
 
-def submit(address: str, config: str, overrides: list[str], workdir: str = ".", metadata: dict | None = None) -> str:
+def reward_file_shipping(function: str | None, workdir: str | Path = ".") -> tuple[list[str], list[str]]:
+    """(py_modules, overrides) that bring a reward function file (`reward.function` as load_config
+    located it: /abs/path/file.py:name) to the job. One under `workdir` travels with the working
+    dir, named relative to it; one outside travels alone as a single-file py_module, imported on
+    the cluster by its file name (so that name must be a free module name)."""
+    from rlsys.config import ConfigError  # pydantic: `rlsys job` commands that never validate stay light
+
+    target, _, name = (function or "").rpartition(":")
+    if not target.endswith(".py"):
+        return [], []
+    path, workdir = Path(target).resolve(), Path(workdir).resolve()
+    if path.is_relative_to(workdir):
+        return [], [f"reward.function={path.relative_to(workdir)}:{name}"]
+    if not path.stem.isidentifier() or importlib.util.find_spec(path.stem) is not None:
+        raise ConfigError(
+            f"config error: reward.function {path} is outside the working directory {workdir}, so it travels as the "
+            f"module '{path.stem}', which is {'taken' if path.stem.isidentifier() else 'not a module name'}: rename "
+            f"the file or move it under {workdir}"
+        )
+    return [str(path)], [f"reward.function={path.stem}:{name}"]
+
+
+def submit(
+    address: str,
+    config: str,
+    overrides: list[str],
+    workdir: str = ".",
+    metadata: dict | None = None,
+    py_modules: list[str] = (),
+) -> str:
     workdir = Path(workdir).resolve()
     output_dir = f"run.output_dir={workdir / 'runs'}"
     args = ["python", "-m", "rlsys.run.cli", "run", config, output_dir, *overrides, "--no-progress"]
@@ -66,7 +98,11 @@ def submit(address: str, config: str, overrides: list[str], workdir: str = ".", 
         try:
             return client(address).submit_job(
                 entrypoint=" ".join(shlex.quote(a) for a in args),
-                runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES},
+                runtime_env={
+                    "working_dir": str(workdir),
+                    "excludes": EXCLUDES,
+                    **({"py_modules": list(py_modules)} if py_modules else {}),
+                },
                 metadata=metadata,
             )
         except (ConnectionError, RuntimeError) as e:

@@ -7,7 +7,7 @@ config's `model` section, or `--init DIR` from any local causal LM dir, e.g. a w
 policy) is trained on
     P(y_w > y_l | x) = sigmoid(r(x, y_w) - r(x, y_l)),   loss = -log sigmoid(r_w - r_l)
 (Bradley & Terry 1952; the reward-model loss of Ouyang et al. 2022, eq. 1), then saved with
-`save_pretrained` (its tokenizer in DIR/tokenizer) for `reward.source: model` and the
+`save_pretrained` (its tokenizer beside it in DIR) for `reward.source: model` and the
 evaluators' `metric: reward_model`. Pairs of held-out problems measure its accuracy.
 """
 
@@ -28,7 +28,7 @@ from actors.modeling import quiet_transformers
 from actors.reward import encode_pairs, prompt_lengths, reward_scores, sequence_scores
 from envs.registry import make_task
 from rlsys.config import ConfigError, load_config
-from rlsys.models import TinyModelSpec, load_tokenizer, save_model_dir, train_tokenizer
+from rlsys.models import TinyModelSpec, init_model, load_tokenizer, save_model_dir, train_tokenizer
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -72,14 +72,14 @@ def build_reward_model(tokenizer, spec, seed: int = 0, init_dir: Optional[str] =
     a fresh score head)."""
     from transformers import AutoModelForSequenceClassification
 
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        if init_dir is not None:
+    if init_dir is not None:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
             return AutoModelForSequenceClassification.from_pretrained(
                 init_dir, num_labels=1, local_files_only=True, pad_token_id=tokenizer.pad_token_id
             )
-        config = spec.config(len(tokenizer), tokenizer, num_labels=1, tie_word_embeddings=False)
-        return AutoModelForSequenceClassification.from_config(config)
+    config = spec.config(len(tokenizer), tokenizer, num_labels=1, tie_word_embeddings=False)
+    return init_model(AutoModelForSequenceClassification.from_config, config, tokenizer, seed)
 
 
 def train_reward_model(

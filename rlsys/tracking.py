@@ -1,4 +1,4 @@
-"""Run logging: metrics.jsonl, evals.jsonl and TensorBoard event files in the run dir."""
+"""Run logging: metrics.jsonl, evals.jsonl, samples.jsonl and TensorBoard event files in the run dir."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ class Tracker:
         self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.evals_path = self.run_dir / "evals.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
 
     def _append(self, path: Path, row: dict) -> None:
         with path.open("a") as f:
@@ -36,9 +37,21 @@ class Tracker:
                 self.writer.add_scalar(f"eval/{name}/{k}", v, step)
         self.writer.flush()
 
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Rollout rows a person can read (`rollout_samples`): one json line each, and one
+        markdown table per step in TensorBoard's text tab."""
+        for sample in samples:
+            self._append(self.samples_path, {"step": step, **sample})
+        if samples:
+            keys = list(samples[0])
+            table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            table += ["| " + " | ".join(_cell(s.get(k)) for k in keys) + " |" for s in samples]
+            self.writer.add_text("samples", "\n".join(table), step)
+            self.writer.flush()
+
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (a resumed run logs them again)."""
-        for path in (self.metrics_path, self.evals_path):
+        for path in (self.metrics_path, self.evals_path, self.samples_path):
             rows = [r for r in read_jsonl(path) if r["step"] <= step]
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -57,6 +70,30 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             break
     return rows
+
+
+def rollout_samples(table, tokenizer, n: int) -> list[dict]:
+    """The first `n` rows of a step's Experience table as text: the prompt exactly as the model
+    saw it (special tokens and chat template kept), the response, the reward, and what else the
+    row's meta says of its reward (`reward/...` keys)."""
+    rows = table.slice(0, n).to_pylist()
+    samples = []
+    for row in rows:
+        meta = json.loads(row["meta"]) if isinstance(row.get("meta"), str) else (row.get("meta") or {})
+        samples.append(
+            {
+                "prompt": tokenizer.decode(row["prompt_ids"], skip_special_tokens=False),
+                "response": tokenizer.decode(row["response_ids"], skip_special_tokens=False),
+                "reward": float(row["reward"]),
+                **{k: v for k, v in meta.items() if k.startswith("reward/")},
+            }
+        )
+    return samples
+
+
+def _cell(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 def _clean(v):

@@ -4,13 +4,12 @@ quantisation of a local model directory. Bad input is one line on stderr and exi
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from rlsys.models import load_model, load_tokenizer
+from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
 
 from .calib import calibration_from_model, calibration_from_text
 from .model import METHODS, QuantConfig, average_bits, check_config, quantize_model, save_quantized
@@ -92,8 +91,8 @@ def run(args: argparse.Namespace) -> str:
     fp_bytes = _dir_bytes(src)
     qweights = quantize_model(model, calib, cfg)
     save_quantized(model, qweights, cfg, out)
-    if (src / "tokenizer").is_dir():
-        shutil.copytree(src / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
+    if find_tokenizer_dir(src) is not None:  # the tokenizer beside the weights, as in any model dir
+        save_tokenizer(load_tokenizer(src), out)
     q_bytes = _dir_bytes(out)
     ratio = f", {fp_bytes / q_bytes:.1f}x smaller" if fp_bytes else ""
     return (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import ray
@@ -104,7 +105,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
     run = RunActors(
         policies,
         reference=ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature),
-        reward=start_reward_actor(cfg.reward, policy_dir, task, cfg.run.seed),
+        reward=start_reward_actor(cfg.reward, policy_dir, task, cfg.run.seed, cfg.sandbox),
         buffer=ray.remote(ExperienceBuffer)
         .options(num_cpus=0.1)
         .remote(cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed),
@@ -154,10 +155,9 @@ class Learners:
     A dead rank ends the run with one line naming it and the checkpoint to resume from (the
     DeepSpeed group cannot go on without it)."""
 
-    def __init__(self, policies: dict[str, PolicyActors], run_dir: Path):
-        self.policies, self.run_dir = policies, Path(run_dir)
+    def __init__(self, policies: dict[str, PolicyActors], run_dir: Path, steps_done: Callable[[], int]):
+        self.policies, self.run_dir, self.steps_done = policies, Path(run_dir), steps_done
         self.main_policy = next(iter(policies))
-        self.step = 0  # the step being trained, for the error line
 
     def train(self, batches: dict, version: int, weights) -> dict[str, list]:
         """Each policy's batch to its ranks, not awaited; `weights` says where a rank writes the
@@ -201,7 +201,7 @@ class Learners:
             cause = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise LearnerFailed(
                 f"learner rank {', '.join(map(str, dead)) or '?'} of {len(learners)} died during "
-                f"step {self.step + 1} ({cause}); the run stopped: {resume}"
+                f"step {self.steps_done() + 1} ({cause}); the run stopped: {resume}"
             ) from None
 
 

@@ -33,6 +33,9 @@ def _run(args) -> int:
     from algorithms.base import build_algorithm  # lazy: torch and the algorithms, only where a config is built
 
     algorithm = build_algorithm(cfg)  # its keys and the rules across sections, checked before any actor starts
+    from envs.reward_runner import build_scorer  # lazy: the reward functions, only where a run uses one
+
+    build_scorer(cfg.reward, sandbox_cfg=cfg.sandbox)  # a reward function that cannot load fails before the warm-up
     init_ray(cfg.ray.address, cfg.ray.num_cpus)  # before anything imports ray
     from rlsys.run.controller import Controller  # lazy: after init_ray (ray, deepspeed, the actors)
 
@@ -57,7 +60,67 @@ def _submit(args) -> int:
     cfg = load_config(args.config, [f"run.output_dir={Path.cwd() / 'runs'}", *args.overrides])  # as jobs.submit does
     build_algorithm(cfg)  # a bad config fails here, not on the cluster
     run_dir = Path.cwd() / cfg.run.output_dir / cfg.run.name  # `rlsys eval attach JOB` finds cluster.json there
-    print(jobs.submit(args.address, args.config, args.overrides, metadata={"rlsys_run_dir": str(run_dir)}))
+    py_modules, reward_overrides = jobs.reward_file_shipping(cfg.reward.function)  # a reward file travels too
+    print(
+        jobs.submit(
+            args.address,
+            args.config,
+            [*args.overrides, *reward_overrides],
+            metadata={"rlsys_run_dir": str(run_dir)},
+            py_modules=py_modules,
+        )
+    )
+    return 0
+
+
+def _reward_check(args) -> int:
+    """Score the train split's reference answers (or `--response`) with the configured reward, without Ray or a
+    model: one JSON line per row (row, response, reward, metrics, error), then one with the mean."""
+    import tempfile
+
+    from envs.registry import make_task  # lazy: the tasks and reward functions, only for the commands that use them
+    from envs.reward_functions import reference_response  # as above
+    from envs.reward_runner import Outcome, RewardScorer, TaskRunner, answer_key, build_scorer  # as above
+
+    cfg = load_config(args.config, args.overrides)
+    r = cfg.reward
+    if r.source not in ("rule", "http"):
+        raise ConfigError(f"config error: rlsys reward check scores reward.source rule or http, not '{r.source}'")
+    with tempfile.TemporaryDirectory() as tmp:
+        task = make_task(cfg.task, Path(tmp) / "data", cfg.run.seed)
+        rows = task.rows("train")
+        if args.row is not None and not 0 <= args.row < len(rows):
+            raise ConfigError(f"reward check: --row {args.row} is out of range (the train split has {len(rows)} rows)")
+        picked = [args.row] if args.row is not None else list(range(len(rows)))[: args.limit or None]
+        responses, outcomes = {}, {}
+        for i in picked:
+            try:
+                given = args.response
+                responses[i] = (
+                    given if given is not None else reference_response(r.function, rows[i], answer_key(r, task))
+                )
+            except KeyError as e:
+                outcomes[i] = Outcome(None, {}, f"no reference answer: {e.args[0]}; give a --response")
+        scorer = build_scorer(r, task, cfg.sandbox) or RewardScorer(TaskRunner(task), f"task '{cfg.task.name}'")
+        try:
+            prompts = [task.prompt_text(rows[i]) for i in responses]
+            found = scorer.run(prompts, list(responses.values()), [rows[i] for i in responses])
+        finally:
+            scorer.close()
+    outcomes |= dict(zip(responses, found))
+    rewards = [r.on_error if outcomes[i].error else outcomes[i].reward for i in picked]
+    for i, reward in zip(picked, rewards):
+        response = responses.get(i, "")
+        line = {
+            "row": i,
+            "response": response if len(response) <= 200 else response[:200] + "...",
+            "reward": reward,
+            "metrics": outcomes[i].metrics,
+            "error": outcomes[i].error,
+        }
+        print(json.dumps(line, default=str))
+    errors = sum(outcomes[i].error is not None for i in picked)
+    print(json.dumps({"mean": sum(rewards) / max(len(rewards), 1), "rows": len(picked), "errors": errors}))
     return 0
 
 
@@ -178,6 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
             j.add_argument("--follow", "-f", action="store_true")
         j.set_defaults(func=_job_command)
     _eval_parser(sub)
+    reward = sub.add_parser("reward", help="reward functions").add_subparsers(dest="action", required=True)
+    check = reward.add_parser(
+        "check",
+        help="score the train split's reference answers (or --response) with the configured reward, without Ray or "
+        "a model: one JSON line per row, then the mean",
+    )
+    check.add_argument("config")
+    check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward.function=math")
+    check.add_argument("--response", default=None, help="score this response on every row instead of the reference")
+    check.add_argument("--row", type=int, default=None, help="only this row (a 0-based index into the train split)")
+    check.add_argument("--limit", type=int, default=20, help="the first K rows (default 20; 0: all)")
+    check.set_defaults(func=_reward_check)
     config = sub.add_parser("config", help="the configuration reference").add_subparsers(dest="action", required=True)
     doc = config.add_parser("doc", help="every config key, its type, default and description, as markdown")
     doc.add_argument(
@@ -204,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return 2
     except RunFailed as e:
-        print(f"rlsys: {e}", file=sys.stderr)
+        # raised in a Ray actor: Ray's wrapper carries the traceback, its cause the one line
+        cause = getattr(e, "cause", None)
+        print(f"rlsys: {cause if isinstance(cause, RunFailed) else e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -7,6 +7,7 @@ runs `loop.train` on it, top to bottom.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import ray
 from actors.reference import ReferenceWorker
 from algorithms.base import build_algorithm
 from algorithms.sft import warmup
+from envs.dataset_task import fit_to_model
 from envs.registry import make_task
 from envs.rewards import build_shaping
 from rlsys.checkpoint import CheckpointError, candidates
@@ -26,6 +28,7 @@ from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F4
 from rlsys.evaluators import AttachedEvaluators, write_cluster_info
 from rlsys.generation import GenerationRequest
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
+from rlsys.prompts import prompt_ids
 from rlsys.run import checkpointing, loop
 from rlsys.run.actors import Learners, start_actors
 from rlsys.run.context import ActorContext
@@ -71,12 +74,14 @@ class Controller:
         init_dir = self.run_dir / "policy_init"
         if (init_dir / "config.json").exists():
             self.tokenizer = load_tokenizer(init_dir)
+            fit_to_model(self.task, self.tokenizer, cfg, json.loads((init_dir / "config.json").read_text()))
             return init_dir
         if cfg.model.path:
             model, tokenizer = load_model(cfg.model.path), load_tokenizer(cfg.model.path)
         else:
             tokenizer = train_tokenizer(self.task.corpus(), cfg.model.vocab_size)
             model = build_tiny_model(TinyModelSpec.from_config(cfg.model), tokenizer, seed=cfg.run.seed)
+        fit_to_model(self.task, tokenizer, cfg, model.config.to_dict())  # long prompts: before warm-up and actors
         if cfg.sft.steps:
             bar = progress_bar(cfg.sft.steps, "warm-up", self.progress)
             warm = (
@@ -122,7 +127,7 @@ class Controller:
             actors.reward,
             actors.buffer,
         )
-        self.learner_group = Learners(self.policies, self.run_dir)
+        self.learner_group = Learners(self.policies, self.run_dir, lambda: self.step)
         try:
             self.weights = make_weight_sync(cfg, self.policies, self.learner_group.get)
         except Exception:
@@ -183,18 +188,13 @@ class Controller:
         )
 
     def _prompt(self, uid: str, row: dict) -> Prompt:
-        text = self.task.prompt_text(row)
-        return Prompt(uid, self.tokenizer(text, add_special_tokens=False)["input_ids"], text, row)
-
-    def _prompt(self, uid: str, row: dict) -> Prompt:
-        text = self.task.prompt_text(row)
-        return Prompt(uid, self.tokenizer(text, add_special_tokens=False)["input_ids"], text, row)
+        ids, text = prompt_ids(self.task, self.tokenizer, row)
+        return Prompt(uid, ids, text, row)
 
     # ---- what the loop calls ------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         """One policy update (sample -> prepare -> train -> sync): the step's metrics."""
-        self.learner_group.step = self.step
-        return loop.update(self)
+        return loop.update(self)[0]
 
     def sync_weights(self, version: int, training: dict[str, list] | None = None) -> None:
         """The learners' weights at `version` toward every rollout worker, by the run's strategy;
@@ -212,8 +212,9 @@ class Controller:
         return self.algorithm.split_by_policy(table)
 
     def reward_metrics(self) -> dict[str, float]:
-        """The reward source's own metrics of this step (a judge's verdict rates and order disagreements)."""
-        return ray.get(self.reward.take_metrics.remote()) if self.cfg.reward.source == "judge" else {}
+        """The reward source's own metrics of this step: a judge's verdict rates and order disagreements, a reward
+        function's or server's reward/errors and extra metrics (a reward model has none)."""
+        return ray.get(self.reward.take_metrics.remote()) if self.cfg.reward.source != "model" else {}
 
     def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
         """Accuracy on a split through the rollout workers (current policy version): greedy

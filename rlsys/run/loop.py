@@ -11,16 +11,17 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pyarrow as pa
 
 from rlsys.contract import ReportsPrepareMetrics, RestartsPolicy
-from rlsys.tracking import Tracker
+from rlsys.tracking import Tracker, rollout_samples
 
 
 def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
     """Steps until trainer.steps; returns the last held-out evaluation."""
     cfg = run.cfg
     while run.step < cfg.trainer.steps:
-        metrics = update(run)  # sample -> prepare -> train -> sync
+        metrics, rows = update(run)  # sample -> prepare -> train -> sync
         last_step = run.step == cfg.trainer.steps
         # evaluate: attached evaluators at every step boundary, the held-out split as due
         handoff = time.perf_counter()
@@ -40,13 +41,14 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
             metrics["time/checkpoint"] = run.ctx.timings["checkpoint"]
         # log
         tracker.log(run.step, metrics)
+        tracker.log_samples(run.step, rollout_samples(rows, run.tokenizer, cfg.trainer.log_samples))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}", refresh=False)
         bar.update()
     return last_eval
 
 
-def update(run) -> dict[str, float]:
-    """One policy update: sample -> prepare -> train -> sync. Returns the step's metrics."""
+def update(run) -> tuple[dict[str, float], pa.Table]:
+    """One policy update: sample -> prepare -> train -> sync. Returns the step's metrics and rows."""
     ctx, version = run.ctx, run.ctx.policy_version + 1
     ctx.timings.clear()
     start, tokens_before = time.perf_counter(), ctx.tokens_generated
@@ -75,7 +77,8 @@ def update(run) -> dict[str, float]:
         if not sent_early:
             run.sync_weights(version, training)
     run.step += 1
-    return metrics | step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
+    metrics |= step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
+    return metrics, table
 
 
 def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) -> dict[str, float]:

@@ -198,7 +198,7 @@ def test_reward_worker_and_evaluator_metric_on_the_trained_model(trained_rm):
         ),
         (
             ["reward.source=critic"],
-            "config error: reward.source = 'critic': Input should be 'rule', 'model' or 'judge'",
+            "config error: reward.source = 'critic': Input should be 'rule', 'model', 'judge' or 'http'",
         ),
         (["reward.judge.mode=listwise"], "reward.judge.mode = 'listwise': Input should be 'pointwise' or 'pairwise'"),
         (

@@ -246,9 +246,9 @@ def test_shared_memory_refused_falls_back_under_auto_and_is_one_line_when_asked_
     assert c.policies["policy"].shared is None
 
     def no_room(self):
-        import actors.shared_weights
+        import actors.learner
 
-        actors.shared_weights.shm_free_bytes = lambda: 0
+        actors.learner.shm_free_bytes = lambda: 0  # where the learner looks it up
 
     ray.get(c.learners[0].__ray_call__.remote(no_room))
     c.cfg.trainer.weight_sync = "shared_memory"

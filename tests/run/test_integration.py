@@ -52,6 +52,12 @@ def test_grpo_two_rank_learner_two_workers(ray_cluster, tmp_path):
     run_dir = tmp_path / "grpo"
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    samples = [json.loads(l) for l in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4  # trainer.log_samples=4 a step
+    tok = controller.tokenizer
+    prompts = {tok.decode(p.prompt_ids, skip_special_tokens=False) for p in controller.stream.prompts}
+    assert all(s["prompt"] in prompts for s in samples)  # exactly as the model saw them
+    assert {"prompt", "response", "reward"} <= set(samples[0]) and isinstance(samples[0]["reward"], float)
     lr = controller.cfg.learner.lr  # the schedule is stepped by the DeepSpeed engine on both ranks
     assert [r["lr"] for r in rows] == pytest.approx([lr * lr_multiplier(s, 3, 1, "linear", 0.2) for s in range(3)])
     assert rows[2]["lr"] == pytest.approx(0.6 * lr)

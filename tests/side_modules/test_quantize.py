@@ -275,7 +275,7 @@ def test_cli_quantizes_with_calib_file(model_dir, tmp_path, capsys):
     assert main(argv) == 0
     line = capsys.readouterr().out.strip()
     assert "\n" not in line and "avg 2.000 bits" in line and "bytes" in line
-    assert (out / "tokenizer" / "tokenizer.json").exists()
+    assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()  # beside the weights
     model = load_quantized(out)
     assert model.generate(torch.tensor([[1, 5, 6]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
 
