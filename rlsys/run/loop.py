@@ -25,7 +25,8 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
         last_step = run.step == cfg.trainer.steps
         # evaluate: attached evaluators at every step boundary, the held-out split as due
         handoff = time.perf_counter()
-        for row in run.attached.poll(run.step, run.ctx.policy_version, run.weights.weights_ref):
+        current_weights = lambda: run.weights.weights_ref(run.ctx.main_policy)  # asked only when one is due
+        for row in run.attached.poll(run.step, run.ctx.policy_version, current_weights):
             tracker.log_eval(*row)
         metrics["time/eval_handoff"] = time.perf_counter() - handoff
         if cfg.trainer.eval_every and run.step % cfg.trainer.eval_every == 0 or last_step:
