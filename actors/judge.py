@@ -287,7 +287,7 @@ class JudgeWorker:
         return out
 
     def judge(self, prompt: str, responses: Sequence[str]):
-        """DESIGN.md's call: two responses -> a PairJudgement, one -> a PointJudgement."""
+        """The judge call of docs/architecture.md: two responses -> a PairJudgement, one -> a PointJudgement."""
         if len(responses) == 2:
             return self.pairwise([(prompt, responses[0], responses[1])])[0]
         if len(responses) == 1:

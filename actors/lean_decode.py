@@ -1,5 +1,5 @@
 """A lean batched decode loop for Llama-family decoders (Qwen2, Qwen3, Llama, Mistral, Phi-3, Gemma): the
-rollout backend's fast path in place of `model.generate` (issue 10).
+rollout backend's fast path in place of `model.generate`.
 
 What it saves over `generate` on a small model (profiled on the quickstart's, batch 32):
 the DynamicCache grows by `torch.cat` every step (27% of generate's CPU time), causal masks

@@ -11,10 +11,10 @@ learner and two small actor calls, not a serialization into the object store and
 
 Two slots let the workers serve version v from one while the learner writes v + 1 into
 the other (`trainer.overlap_rollout`); the controller waits for every worker's load of
-v before the learner may write v + 2 over v's slot (Controller._train settles the sync
-first). A file outlives a killed learner: the next learner on the node removes files
-whose owner process is gone (`remove_stale`), and the controller removes its own at
-shutdown.
+v before the learner may write v + 2 over v's slot (`SharedMemorySync.train_slot` in
+rlsys/run/weight_sync.py settles the sync first). A file outlives a killed learner: the next
+learner on the node removes files whose owner process is gone (`remove_stale`), and the
+controller removes its own at shutdown.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Credit assignment on a toy with exact values: VinePPO's Monte Carlo values vs a PPO critic
-(../shared/papers/vineppo.md, the paper's central finding; issue 6).
+(../shared/papers/vineppo.md, the paper's central finding).
 
 The toy is a random-walk token environment: a response is T tokens from {-1, 0, +1} and the
 "policy" has its own random logits at every prefix (like an LM, its behaviour is an

@@ -14,7 +14,7 @@ student to the teacher over the eval split's answer tokens.
 `--student-pretrain-steps N --student-pretrain-data {train,easy,half}` starts all three students
 from the same pretrained student (N SFT steps on the ground truth of: every training row, the 100
 single-digit sums, or a random half of the training rows), as the paper's students are pretrained
-LMs that already match the teacher on part of the data. The figure of the issue is "sample-steps
+LMs that already match the teacher on part of the data. The headline figure is "sample-steps
 to target": the first held-out evaluation (every `--eval-every` steps and at the end) at which a
 student's BDL is at or below full-data KD's final held-out BDL.
 """

@@ -1,4 +1,4 @@
-"""The GPU path, checked and timed on a machine with CUDA (issue 11). One script, one table.
+"""The GPU path, checked and timed on a machine with CUDA. One script, one table.
 
     .venv/bin/python benchmarks/gpu_check.py            # on a GPU machine
     .venv/bin/python benchmarks/gpu_check.py --cpu      # the same code paths on CPU (gloo, fp32): plumbing only

@@ -1,5 +1,5 @@
-"""Speed of rlsys's hot paths, each side by side with its plain baseline in the same run
-(issue 10), on the quickstart's model and task. Prints one markdown table of ratios.
+"""Speed of rlsys's hot paths, each side by side with its plain baseline in the same run,
+on the quickstart's model and task. Prints one markdown table of ratios.
 
     .venv/bin/python benchmarks/perf.py            # 7 timed repeats per figure
     .venv/bin/python benchmarks/perf.py --quick    # 3 repeats, shorter SFT and TRL runs
@@ -16,7 +16,7 @@ the task, tiny Qwen2 from configs/quickstart.yaml) but without the SFT warm-up
 (`sft.steps=0`). In the first rollout figure the plain baseline is told `min_new_tokens =
 max_new_tokens` (every row runs every step: batch x new tokens); the random-init policy
 samples eos in a few rows, which rlsys stops, so rlsys is counted by the tokens it produced
-(before this session it was counted batch x new as well, a few percent in its favour).
+(counting it as batch x new too would favour it by a few percent).
 Every timing is the median of interleaved repeats after one warm-up each; torch uses one
 thread in the driver and in every actor.
 """

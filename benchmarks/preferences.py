@@ -1,5 +1,5 @@
-"""Vanilla online DPO vs PILAF sampling under the same labelling budget (issue 6;
-../shared/papers/pilaf.md), side by side in one process on the quickstart-style task.
+"""Vanilla online DPO vs PILAF sampling under the same labelling budget
+(../shared/papers/pilaf.md), side by side in one process on the quickstart-style task.
 
 Both runs start from the same warm-started policy (one SFT, copied), get the same prompts
 in the same order and the same number of labelled pairs per step (one per prompt: the

@@ -1,4 +1,4 @@
-"""Task and Env protocols (DESIGN.md Env).
+"""Task and Env protocols (docs/architecture.md, Env).
 
 A *task* is a dataset of rows plus a rule reward; an *env* is the dialog it is played
 in: `reset(row) -> observation`, `step(text) -> (observation, reward, done, info)`.

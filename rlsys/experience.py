@@ -1,4 +1,4 @@
-"""The Experience schema (DESIGN.md): one row per sampled response, as a pyarrow table.
+"""The Experience schema (docs/architecture.md): one row per sampled response, as a pyarrow table.
 
 Algorithms may add columns; they may not change these. `make_experience` fills the
 optional columns with nulls so every part can rely on the names being present.

@@ -1,6 +1,6 @@
-"""Generation requests and results: the rollout backend interface's data (DESIGN.md Actors).
+"""Generation requests and results: the rollout backend interface's data (docs/architecture.md, Actors).
 
-Every backend (transformers now, vLLM on GPU machines) takes `GenerationRequest`s and
+Every backend (transformers, or vLLM on GPU machines) takes `GenerationRequest`s and
 returns one `Generation` per sampled response, in request order, `n` per request.
 """
 

@@ -32,6 +32,17 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
+@pytest.fixture(autouse=True)
+def _release_finished_actors(request):
+    """After a test on the Ray cluster, collect what it left unreachable: a run's actors end when
+    their last handle goes, so the next test finds the cluster's CPUs free."""
+    yield
+    if "ray_cluster" in request.fixturenames:
+        import gc
+
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     from rlsys.cluster import init_ray

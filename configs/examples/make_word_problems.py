@@ -110,7 +110,7 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train", type=int, default=600, help="training problems")
+    parser.add_argument("--train", type=int, default=4000, help="training problems")
     parser.add_argument("--eval", type=int, default=100, help="held-out problems")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "data")

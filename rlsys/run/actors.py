@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import ray
@@ -155,14 +154,15 @@ class Learners:
     A dead rank ends the run with one line naming it and the checkpoint to resume from (the
     DeepSpeed group cannot go on without it)."""
 
-    def __init__(self, policies: dict[str, PolicyActors], run_dir: Path, steps_done: Callable[[], int]):
-        self.policies, self.run_dir, self.steps_done = policies, Path(run_dir), steps_done
+    def __init__(self, policies: dict[str, PolicyActors], run_dir: Path):
+        self.policies, self.run_dir = policies, Path(run_dir)
         self.main_policy = next(iter(policies))
+        self.step = 1  # the step being trained, for the error line
 
-    def train(self, batches: dict, version: int, weights) -> dict[str, list]:
-        """Each policy's batch to its ranks, not awaited; `weights` says where a rank writes the
-        new weights as part of its step (a shared-memory slot) or None."""
-        training = {}
+    def train(self, batches: dict, version: int, weights, step: int) -> dict[str, list]:
+        """Each policy's batch to its ranks, not awaited, for trainer step `step`; `weights` says
+        where a rank writes the new weights as part of its step (a shared-memory slot) or None."""
+        self.step, training = step, {}
         for name, batch in batches.items():
             p, slot = self.policies[name], weights.train_slot(name, version)
             training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, batch.split(len(p.learners)))]
@@ -201,7 +201,7 @@ class Learners:
             cause = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise LearnerFailed(
                 f"learner rank {', '.join(map(str, dead)) or '?'} of {len(learners)} died during "
-                f"step {self.steps_done() + 1} ({cause}); the run stopped: {resume}"
+                f"step {self.step} ({cause}); the run stopped: {resume}"
             ) from None
 
 

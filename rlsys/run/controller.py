@@ -127,7 +127,7 @@ class Controller:
             actors.reward,
             actors.buffer,
         )
-        self.learner_group = Learners(self.policies, self.run_dir, lambda: self.step)
+        self.learner_group = Learners(self.policies, self.run_dir)
         try:
             self.weights = make_weight_sync(cfg, self.policies, self.learner_group.get)
         except Exception:

@@ -67,7 +67,7 @@ def update(run) -> tuple[dict[str, float], pa.Table]:
         if isinstance(run.algorithm, RestartsPolicy) and run.algorithm.restarts_policy(table):
             with ctx.timed("restart"):
                 run.learner_group.restart(run.policy_dir)
-        training = run.learner_group.train(batches, version, run.weights)
+        training = run.learner_group.train(batches, version, run.weights, run.step + 1)
         # sync: sent with the step where the strategy allows (the workers' loads wait on the
         # learner, not on us); under overlap, after the next step's rows are sampled by these weights
         sent_early = not run.rollouts.prefetch(run.step) and run.weights.sends_with_step

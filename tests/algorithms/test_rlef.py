@@ -416,7 +416,7 @@ def test_config_errors_are_one_line():
 
 @pytest.mark.sandbox  # needs bubblewrap installed: the missing piece is the root filesystem
 def test_run_fails_early_when_the_sandbox_engine_is_missing(tmp_path):
-    # In a process of its own: importing the controller imports ray, and this session's
+    # In a process of its own: importing the controller imports ray, and the test session's
     # ray must first be imported by the ray_cluster fixture (rlsys.cluster.init_ray).
     import os
     import subprocess

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py, the prepared GPU check (issue 11), kept runnable where there is no GPU:
+"""benchmarks/gpu_check.py, the prepared GPU check, kept runnable where there is no GPU:
 its --cpu run goes through the same code paths (hf backend, DeepSpeed ZeRO-2/3 learners, the
 handoff, the gloo broadcast to a receiver process) on CPU, without Ray (the GPU image has none)."""
 

@@ -404,7 +404,7 @@ def test_the_example_dataset_loads_and_every_answer_is_a_number():
     )
     task = DatasetTask(train_path, eval_path)
     train, held_out = task.rows("train"), task.rows("eval")
-    assert len(train) == 600 and len(held_out) == 100
+    assert len(train) == 4000 and len(held_out) == 100
     for row in train + held_out:
         assert float(row["answer"]) == int(row["answer"])
         assert [m["role"] for m in row["prompt"]] == ["user"] and row["steps"] in (1, 2)
@@ -445,4 +445,4 @@ def test_the_example_configs_task_reads_the_shipped_data(name, monkeypatch):
     task_cfg = validate_section(TaskConfig, load_yaml(EXAMPLES / name)["task"], prefix="task")
     assert task_cfg.name == "dataset" and task_cfg.chat_template is True
     task = make_task(task_cfg, ROOT / "runs" / "unused", 0)
-    assert len(task.rows("train")) == 600 and len(task.rows("eval")) == 100
+    assert len(task.rows("train")) == 4000 and len(task.rows("eval")) == 100

@@ -98,11 +98,22 @@ def test_grpo_two_rank_learner_two_workers(ray_cluster, tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_ppo_and_rloo_run(ray_cluster, tmp_path, algorithm):
-    _, summary = run_job(tmp_path, algorithm, ["trainer.steps=2", "rollout.num_workers=1"])
+    import gc
+    import weakref
+
+    controller, summary = run_job(tmp_path, algorithm, ["trainer.steps=2", "rollout.num_workers=1"])
     rows = [json.loads(l) for l in (tmp_path / algorithm / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and summary["steps"] == 2
     if algorithm == "ppo":
         assert "loss/value" in rows[0]
+    # no reference cycle keeps a finished run (and so its actors, on a shared cluster) alive
+    gc.disable()
+    try:
+        ref = weakref.ref(controller)
+        del controller
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("weight_sync", ["auto", "object_store"])  # auto: shared memory on this one node
