@@ -214,7 +214,9 @@ class Controller:
     def reward_metrics(self) -> dict[str, float]:
         """The reward source's own metrics of this step: a judge's verdict rates and order disagreements, a reward
         function's or server's reward/errors and extra metrics (a reward model has none)."""
-        return ray.get(self.reward.take_metrics.remote()) if self.cfg.reward.source != "model" else {}
+        r = self.cfg.reward
+        has_metrics = r.source in ("judge", "http") or (r.source == "rule" and r.function is not None)
+        return ray.get(self.reward.take_metrics.remote()) if has_metrics else {}  # else no call: ~2% of a step
 
     def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
         """Accuracy on a split through the rollout workers (current policy version): greedy
