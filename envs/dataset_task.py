@@ -12,7 +12,7 @@ default: the model's context less `rollout.max_new_tokens`) are dropped with one
 or rejected (`task.drop_long_prompts: false`): `fit_to_model`, called once the tokenizer is known.
 
 The task's own reward is an exact match of the whole response with the answer, both normalised
-(`normalize_answer`); `reward.function` replaces it where set.
+(`reward_functions.normalize_text`); `reward.function` replaces it where set.
 """
 
 from __future__ import annotations
@@ -24,17 +24,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from envs.datasets import DatasetError, load_rows
+from envs.reward_functions import normalize_text
 from rlsys.config import ConfigError
 from rlsys.prompts import chat_prompt, context_length, has_chat_template, text_prompt
 
 Messages = list[dict[str, str]]
-
-
-def normalize_answer(text: str) -> str:
-    """The `exact` normalisation: stripped, case-folded, runs of whitespace as one space, one trailing
-    period dropped."""
-    text = " ".join(str(text).split()).casefold()
-    return text[:-1].rstrip() if text.endswith(".") else text
 
 
 def row_problem(row: Any, prompt_key: str, answer_key: str) -> str | None:
@@ -220,7 +214,7 @@ class DatasetTask:
         return self.answer(row)
 
     def is_correct(self, row: dict, response_text: str) -> bool:
-        return normalize_answer(response_text) == normalize_answer(self.answer(row))
+        return normalize_text(response_text) == normalize_text(self.answer(row))
 
     def reward(self, row: dict, response_text: str) -> float:
         return 1.0 if self.is_correct(row, response_text) else 0.0

@@ -6,8 +6,8 @@ import numpy as np
 
 from rlsys.generation import Generation, SamplingParams
 
-# a two-step job on a tiny model and task, one rollout worker (overrides of a config in configs/)
-TINY_ONE_WORKER = [
+# a tiny model, task and warm-up (overrides of a config in configs/), the base of the tests' jobs
+TINY_JOB = [
     "model.hidden_size=32",
     "model.intermediate_size=64",
     "model.num_hidden_layers=2",
@@ -16,6 +16,11 @@ TINY_ONE_WORKER = [
     "task.max_value=9",
     "sft.steps=5",
     "trainer.prompts_per_step=4",
+]
+
+# a two-step job on them, one rollout worker
+TINY_ONE_WORKER = [
+    *TINY_JOB,
     "trainer.eval_every=2",
     "rollout.max_new_tokens=4",
     "rollout.num_workers=1",

@@ -1,6 +1,6 @@
 """A reward function of your own, named in a config as `reward.function: configs/examples/my_reward.py:reward`.
 
-It is called once per response with the prompt as the model saw it, the response's text and the
+It is called once per response with the prompt's text (the task's `prompt_text`), the response's text and the
 dataset row (every column: here prompt, answer, steps, kind) and returns a float, or a dict with
 a `reward` float and extra metrics, logged as `reward/<key>` means.
 """

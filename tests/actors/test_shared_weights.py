@@ -9,19 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from fakes import TINY_JOB
 
 from actors.modeling import tied_names
 from actors.shared_weights import ALIGN, BF16, SLOTS, SharedLayout, SharedWeights, remove_stale
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "task.num_train=200",
-    "task.num_eval=16",
-    "task.max_value=9",
-    "sft.steps=5",
-    "trainer.prompts_per_step=4",
+    *TINY_JOB,
     "rollout.max_new_tokens=4",
     "rollout.num_workers=2",
 ]

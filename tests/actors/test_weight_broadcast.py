@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from fakes import TINY_JOB
 
 from actors.weight_broadcast import BroadcastGroup, TensorSpec, bucket_plan, weight_manifest
 
@@ -69,14 +70,7 @@ def test_gloo_broadcast_is_bit_identical_and_checks_the_version():
 
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "task.num_train=200",
-    "task.num_eval=16",
-    "task.max_value=9",
-    "sft.steps=5",
-    "trainer.prompts_per_step=4",
+    *TINY_JOB,
     "rollout.max_new_tokens=4",
 ]
 

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from fakes import TINY_JOB
 
 from algorithms.brite import (
     BRiTE,
@@ -451,14 +452,7 @@ def test_warmup_task_errors_in_one_line(tiny, task_kind, config, words):
 
 # ---- a phase-crossing run on a real local Ray cluster, checkpointed and resumed ---------------------
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "task.num_train=200",
-    "task.num_eval=16",
-    "task.max_value=9",
-    "sft.steps=5",
-    "trainer.prompts_per_step=4",
+    *TINY_JOB,
     "trainer.eval_every=2",
     "rollout.max_new_tokens=6",
     "rollout.num_workers=1",

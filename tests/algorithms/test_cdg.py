@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from fakes import TINY_JOB
 
 from algorithms.cdg import (
     CDG,
@@ -453,14 +454,7 @@ def test_gae_mode_is_ppo_with_a_value_head_stepping_over_the_critique(tokenizer,
 
 # ---- two steps on a real local Ray cluster -----------------------------------------------------
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "task.num_train=200",
-    "task.num_eval=16",
-    "task.max_value=9",
-    "sft.steps=5",
-    "trainer.prompts_per_step=4",
+    *TINY_JOB,
     "trainer.eval_every=2",
     "rollout.max_new_tokens=4",
     "rollout.num_workers=1",

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from envs.dataset_task import DatasetTask, fit_to_model, normalize_answer, prompt_budget
+from envs.dataset_task import DatasetTask, fit_to_model, prompt_budget
 from envs.datasets import DatasetError, load_rows
+from envs.reward_functions import normalize_text
 from rlsys.config import ConfigError, load_config
 from rlsys.models import train_tokenizer
 from rlsys.prompts import prompt_ids
@@ -371,7 +372,7 @@ def test_the_default_reward_is_a_normalised_exact_match(tmp_path):
     )
     task = DatasetTask(path, path)
     colour, four = task.rows("train")
-    assert normalize_answer("  Sky \n blue ") == "sky blue" == normalize_answer("Sky blue.")
+    assert normalize_text("  Sky \n blue ") == "sky blue" == normalize_text("Sky blue.")
     assert task.reward(colour, " sky blue\n") == 1.0 and task.is_correct(colour, "SKY BLUE")
     assert task.reward(colour, "sky-blue") == 0.0 and not task.is_correct(colour, "blue")
     assert task.reward(four, "4") == 1.0 and task.reward(four, "four") == 0.0

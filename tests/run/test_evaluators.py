@@ -10,20 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes import TINY_JOB
 
 from rlsys.config import ConfigError, load_config
 from rlsys.evaluators import load_spec, parse_spec
 from rlsys.tracking import read_jsonl
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "task.num_train=200",
-    "task.num_eval=16",
-    "task.max_value=9",
-    "sft.steps=5",
-    "trainer.prompts_per_step=4",
+    *TINY_JOB,
     "trainer.eval_every=0",
     "rollout.max_new_tokens=4",
     "trainer.checkpoint_every=4",

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes import TINY_JOB
 from safetensors.torch import load_file
 
 from rlsys import checkpoint
@@ -18,14 +19,7 @@ from rlsys.tracking import read_jsonl
 pytestmark = pytest.mark.integration
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "task.num_train=200",
-    "task.num_eval=16",
-    "task.max_value=9",
-    "sft.steps=5",
-    "trainer.prompts_per_step=4",
+    *TINY_JOB,
     "trainer.eval_every=2",
     "rollout.max_new_tokens=4",
     "trainer.steps=4",
