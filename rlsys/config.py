@@ -49,6 +49,30 @@ class RunConfig(Section):
     output_dir: str = Field(
         "runs", description="directory that holds the run directories (relative paths: to the working directory)"
     )
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        ["jsonl", "tensorboard"],
+        description="where metrics, evaluations and rollout samples go: `jsonl` (metrics.jsonl, evals.jsonl, "
+        "samples.jsonl in the run dir; always on: resume reads them), `tensorboard` (run dir/tensorboard), "
+        "`wandb` (the `wandb` extra; mode run.wandb_mode, files in run dir/wandb) and `mlflow` (the `mlflow` "
+        "extra; MLFLOW_TRACKING_URI, else a file store in run.output_dir/mlruns)",
+    )
+    project: str = Field(
+        "rlsys", min_length=1, description="the wandb project and the mlflow experiment the run is logged under"
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="`offline` writes the wandb run to disk and needs no network (`wandb sync <run dir>/wandb/"
+        "offline-run-*` uploads it later); `online` streams it (needs WANDB_API_KEY)",
+    )
+
+    @field_validator("loggers")
+    @classmethod
+    def _jsonl_first(cls, v: list[str]) -> list[str]:
+        if "jsonl" not in v:
+            raise ValueError("must include jsonl: resume and the evaluators read metrics.jsonl and evals.jsonl")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a logger twice: {v}")
+        return v
 
 
 # the Llama-family decoders the tiny factory builds

@@ -51,6 +51,7 @@ class Controller:
         build_shaping(cfg.task.shaping)  # and those of task.shaping (make_task builds it again)
         self.step = 0
         self.attached = None  # the run's AttachedEvaluators, opened by run()
+        self.weights = None  # the weight-sync strategy, made by start_actors
 
     # the run's policy (the first of `self.policies`): its rollout workers and learner ranks
     @property
@@ -251,9 +252,9 @@ class Controller:
         self.attached = AttachedEvaluators(cfg.run.name)  # `rlsys eval attach` finds it through cluster.json
         write_cluster_info(self.run_dir, cfg.run.name)
         t0 = time.perf_counter()
-        self.start_actors(self.prepare_policy())
+        tracker = Tracker(self.run_dir, cfg)  # first: a logger that cannot start fails before any actor
         try:
-            tracker = Tracker(self.run_dir)
+            self.start_actors(self.prepare_policy())
             first, last_eval, restored = self._begin(resume, tracker)
             self.attached.start(self.policy_dir, self.task, cfg.rollout.max_new_tokens, restored)
             bar = progress_bar(cfg.trainer.steps, cfg.algorithm.name, self.progress, initial=self.step)
@@ -261,7 +262,9 @@ class Controller:
             bar.close()
             self._finish(tracker)
         finally:
-            self.weights.close()
+            tracker.close(failed=True)  # a no-op after _finish closed it
+            if self.weights is not None:
+                self.weights.close()
         return {
             "run": cfg.run.name,
             "algorithm": cfg.algorithm.name,

@@ -41,6 +41,7 @@ def test_grpo_two_rank_learner_two_workers(ray_cluster, tmp_path):
             "learner.lr_schedule=linear",
             "learner.warmup_steps=1",
             "learner.min_lr_ratio=0.2",
+            "run.loggers=[jsonl, tensorboard, wandb, mlflow]",
         ],
     )
     run_dir = tmp_path / "grpo"
@@ -75,6 +76,12 @@ def test_grpo_two_rank_learner_two_workers(ray_cluster, tmp_path):
     acc.Reload()
     assert len(acc.Scalars("reward/mean")) == 3
     assert "eval/heldout/accuracy" in acc.Tags()["scalars"]
+    from mlflow import MlflowClient  # and mlflow the same metrics (wandb's run: tests/floor/test_loggers.py)
+
+    mlflow_run = (run_dir / "mlflow_run_id").read_text()
+    history = MlflowClient((tmp_path / "mlruns").as_uri()).get_metric_history(mlflow_run, "reward.mean")
+    assert sorted((m.step, m.value) for m in history) == [(r["step"], r["reward/mean"]) for r in rows]
+    assert len(list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))) == 1
     # every rollout worker holds the newest policy version, and it equals the learner's
     versions = ray_cluster.get([w.policy_version.remote() for w in controller.workers])
     assert versions == [3, 3]
