@@ -22,6 +22,8 @@ from typing import Iterable, get_args
 import torch
 
 from rlsys.config import Architecture
+from rlsys.quantize.slim_format import CONFIG_FILE as QUANTIZED_CONFIG
+from rlsys.quantize.slim_format import load_dense
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -214,12 +216,15 @@ def save_model_dir(model, tokenizer, path: str | os.PathLike) -> Path:
 
 
 def load_model(path: str | os.PathLike, dtype=torch.float32):
-    """`AutoModelForCausalLM.from_pretrained` of a local directory; never reaches a hub."""
+    """`AutoModelForCausalLM.from_pretrained` of a local directory; never reaches a hub. A
+    quantised directory (`rlsys quantize`) loads dequantised, as its own reader loads it."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    if (path / QUANTIZED_CONFIG).exists():
+        return load_dense(path, dtype)
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
 
 

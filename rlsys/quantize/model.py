@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,11 +29,9 @@ from .gptq import (
     rtn_quantize,
 )
 from .quantizer import QuantizedWeight
+from .slim_format import CONFIG_FILE, FORMAT, MODULE_FILE, WEIGHTS_FILE, auto_map, load_dense
 
 METHODS = ("slim", "gptq", "rtn")
-WEIGHTS_FILE = "quantized.safetensors"
-CONFIG_FILE = "quantize_config.json"
-FORMAT = "rlsys-slim-llm/1"
 
 
 @dataclass
@@ -200,7 +199,8 @@ def _unique_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 def save_quantized(model: nn.Module, qweights: dict[str, QuantizedWeight], cfg: QuantConfig, path) -> Path:
     """Write `config.json`, `quantize_config.json` and `quantized.safetensors` (other weights
-    as they are; each quantised linear as `<name>.qweight/.bits/.scales/.zeros`)."""
+    as they are; each quantised linear as `<name>.qweight/.bits/.scales/.zeros`), and the reader
+    `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` uses (slim_format.py)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -212,6 +212,11 @@ def save_quantized(model: nn.Module, qweights: dict[str, QuantizedWeight], cfg: 
             tensors[f"{name}.{part}"] = t.contiguous()
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": FORMAT})
     model.config.save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())  # its reader travels with it (slim_format.py)
+    config["architectures"] = [type(model).__name__]
+    config["auto_map"] = auto_map(type(model).__name__)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(Path(__file__).with_name("slim_format.py"), path / MODULE_FILE)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(path))
     meta = {
@@ -236,37 +241,7 @@ def is_quantized_dir(path: str | os.PathLike) -> bool:
 def load_quantized(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Rebuild the model saved by `save_quantized`: a plain transformers model whose quantised
     linears hold the dequantised weights, so `generate` and friends work unchanged."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    path = Path(path)
-    if not is_quantized_dir(path):
-        raise FileNotFoundError(f"{path} is not a quantised model directory (no {CONFIG_FILE} / {WEIGHTS_FILE})")
-    meta = json.loads((path / CONFIG_FILE).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown format {meta.get('format')!r}, expected {FORMAT}")
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = load_file(str(path / WEIGHTS_FILE))
-    for name, (rows, _cols) in meta["layers"].items():
-        parts = {p: tensors.pop(f"{name}.{p}") for p in ("qweight", "bits", "scales", "zeros")}
-        q = QuantizedWeight.from_tensors(parts, rows, meta["group_size"])
-        tensors[f"{name}.weight"] = q.dequantize()
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    aliases = meta["aliases"]
-    if unexpected or set(missing) - set(aliases):
-        raise ValueError(
-            f"{path}: weights do not match the config "
-            f"(missing {sorted(set(missing) - set(aliases))}, unexpected {unexpected})"
-        )
-    params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    with torch.no_grad():
-        for alias, source in aliases.items():
-            if params[alias].data_ptr() != params[source].data_ptr():
-                params[alias].copy_(params[source])
-    if (path / "generation_config.json").exists():
-        model.generation_config = GenerationConfig.from_pretrained(str(path))
-    return model.eval()
+    return load_dense(path, dtype)
 
 
 def quantized_bit_maps(path: str | os.PathLike) -> tuple[int, dict[str, torch.Tensor]]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .slim_format import dequantize, group_codes, packed_nbytes, unpack_codes  # noqa: F401 (pack_codes' inverse)
+
 _MIN_SCALE = 2.0**-24  # smallest float16 subnormal: a scale never rounds to zero
 
 
@@ -82,13 +84,7 @@ def quantize_codes(w: torch.Tensor, params: GroupParams) -> torch.Tensor:
 
 def dequantize_codes(q: torch.Tensor, params: GroupParams) -> torch.Tensor:
     """Weights from codes: `scale * (q - zero)`, or `zero + scale * (2q - 1)` for 1 bit."""
-    scale, zero = params.scale, params.zero
-    if q.ndim == scale.ndim + 1:
-        scale, zero = scale[..., None], zero[..., None]
-    qf = q.to(torch.float32)
-    if params.bits == 1:
-        return zero + scale * (2.0 * qf - 1.0)
-    return scale * (qf - zero)
+    return dequantize(q, params.bits, params.scale, params.zero)
 
 
 def fake_quantize(w: torch.Tensor, params: GroupParams) -> torch.Tensor:
@@ -170,18 +166,6 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     return (bitstream << torch.arange(8, dtype=torch.int64)).sum(dim=1).to(torch.uint8)
 
 
-def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: the first `count` codes as int64."""
-    bitstream = (packed.to(torch.int64)[:, None] >> torch.arange(8, dtype=torch.int64)) & 1
-    bitstream = bitstream.reshape(-1)[: count * bits].reshape(count, bits)
-    return (bitstream << torch.arange(bits, dtype=torch.int64)).sum(dim=1)
-
-
-def packed_nbytes(count: int, bits: int) -> int:
-    """Bytes `pack_codes` uses for `count` codes of `bits` bits."""
-    return (count * bits + 7) // 8
-
-
 @dataclass
 class QuantizedWeight:
     """A quantised `[rows, cols]` weight: integer codes, the per-group bit map and per-row,
@@ -224,14 +208,7 @@ class QuantizedWeight:
     def from_tensors(cls, t: dict[str, torch.Tensor], rows: int, group_size: int) -> "QuantizedWeight":
         """Inverse of `to_tensors` for a weight with `rows` output rows."""
         bits = t["bits"].to(torch.int64)
-        chunks, offset = [], 0
-        for b in bits.tolist():
-            n = packed_nbytes(rows * group_size, b)
-            codes = unpack_codes(t["qweight"][offset : offset + n], b, rows * group_size)
-            chunks.append(codes.reshape(rows, group_size))
-            offset += n
-        if offset != t["qweight"].numel():
-            raise ValueError(f"qweight holds {t['qweight'].numel()} bytes, bit map needs {offset}")
+        chunks = group_codes(t["qweight"], bits, rows, group_size)
         return cls(
             codes=torch.cat(chunks, dim=1),
             bits=bits,

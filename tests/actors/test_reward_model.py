@@ -5,6 +5,7 @@ a real local Ray cluster whose rewards come from the reward model."""
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -111,6 +112,40 @@ def trained_rm(tmp_path_factory):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "held-out pairwise accuracy" in p.stdout
     return out
+
+
+def test_trained_reward_model_loads_with_the_standard_pair_in_a_fresh_process(trained_rm):
+    """`AutoModelForSequenceClassification` / `AutoTokenizer.from_pretrained(dir)`, with nothing of
+    rlsys imported, score `prompt + response` as rlsys's RewardModel does."""
+    from actors.reward import RewardModel
+
+    texts = [("12+34=", "46"), ("12+34=", "47"), ("7+8=", "15")]
+    fresh = r"""
+import json, sys
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).eval()
+scores = []
+for prompt, response in json.loads(sys.argv[2]):
+    ids = torch.tensor([tok(prompt + response, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        scores.append(model(ids).logits[0, 0].item())
+print(json.dumps([scores, any(m == "rlsys" or m.startswith("rlsys.") for m in sys.modules)]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", fresh, str(trained_rm), json.dumps(texts)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(trained_rm.parent),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs, rlsys_imported = json.loads(done.stdout.strip().splitlines()[-1])
+    ours = RewardModel(str(trained_rm)).score_texts([p for p, _ in texts], [r for _, r in texts])
+    assert not rlsys_imported and theirs == pytest.approx(ours, abs=1e-5)
 
 
 def test_trained_reward_model_ranks_held_out_pairs(trained_rm):

@@ -1,5 +1,6 @@
-"""Model directories rlsys writes (`policy_init/`, a checkpoint's `hf/` export) load with the
-standard pair `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(dir)` in a fresh process
+"""Model directories rlsys writes (`policy_init/`, a checkpoint's `hf/` export, `rlsys quantize`
+output) load with the standard pair `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(dir)`
+(a quantised dir with `trust_remote_code=True`: it carries its own reader) in a fresh process
 that imports nothing of rlsys, and generate the same tokens as rlsys's own loader; the trained
 tokenizer carries a ChatML template; a dir with its tokenizer in a `tokenizer/` subfolder (as
 older rlsys wrote it) still loads through `load_tokenizer`."""
@@ -22,6 +23,7 @@ from rlsys.models import (
     save_model_dir,
     train_tokenizer,
 )
+from rlsys.quantize.cli import main as quantize_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,6 +35,7 @@ CHAT = [{"role": "user", "content": "2+3="}]
 CHATML = "<|im_start|>user\n2+3=<|im_end|>\n<|im_start|>assistant\n"
 NEW_TOKENS = 6
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+QUANTIZE = ["--method", "rtn", "--bits", "3", "--group", "16"]
 
 # what a user runs: transformers only, offline, in a process of its own
 FRESH = r"""
@@ -44,7 +47,7 @@ torch.set_num_threads(1)
 out = {}
 for d in json.loads(sys.argv[1]):
     tok = AutoTokenizer.from_pretrained(d)
-    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    model = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()  # a quantised dir's reader
     chat = tok.apply_chat_template(%(chat)s, add_generation_prompt=True, tokenize=False)
     gen = {}
     for name, text in (("prompt", %(prompt)r), ("chat", chat)):
@@ -145,8 +148,11 @@ def dirs(tmp_path_factory, tokenizer):
         torch.distributed.destroy_process_group()
     made["hf"] = root / "hf"
     made["old"] = old
-    report = fresh_load([made[k] for k in ("qwen2", "llama", "hf")])
-    return made, {k: report[str(made[k])] for k in ("qwen2", "llama", "hf")}
+    made["quantized"] = root / "quantized"  # `rlsys quantize` of the qwen2 dir
+    assert quantize_main([str(made["qwen2"]), "--out", str(made["quantized"]), *QUANTIZE]) == 0
+    names = ("qwen2", "llama", "hf", "quantized")
+    report = fresh_load([made[k] for k in names])
+    return made, {k: report[str(made[k])] for k in names}
 
 
 def test_trained_tokenizer_has_chatml_template_and_appended_chat_tokens(tokenizer):
@@ -188,7 +194,7 @@ def test_vocab_size_bounds_the_whole_vocabulary():
     assert len(tok) == 280 and tok.convert_tokens_to_ids(CHAT_TOKENS) == [278, 279]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama", "hf"])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "hf", "quantized"])
 def test_standard_pair_in_a_fresh_process_generates_what_rlsys_does(dirs, name):
     made, fresh = dirs
     path, theirs = made[name], fresh[name]
@@ -205,6 +211,21 @@ def test_standard_pair_in_a_fresh_process_generates_what_rlsys_does(dirs, name):
     assert len(ours["generated"]["prompt"]) > len(ours["encoded"][0])  # it generated
     if name == "llama":  # qwen2's class is imposed by transformers; others read tokenizer.json as it is
         assert theirs["tokenizer_class"] in ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def test_quantized_dir_holds_packed_weights_and_its_reader(dirs):
+    """The quantised dir has no dense weights: the fresh process read the packed ones through the
+    reader the dir carries (its greedy tokens equal rlsys's above), and they are not the
+    full-precision model's."""
+    made, _ = dirs
+    quantized = made["quantized"]
+    assert not list(quantized.glob("model*.safetensors")) and (quantized / "rlsys_slim_llm.py").is_file()
+    config = json.loads((quantized / "config.json").read_text())
+    assert config["auto_map"] == {"AutoModelForCausalLM": "rlsys_slim_llm.SlimQwen2ForCausalLM"}
+    dense, full = load_model(quantized), load_model(made["qwen2"])
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(dense.state_dict()[q_proj], full.state_dict()[q_proj])
+    assert len(torch.unique(dense.state_dict()[q_proj][0, :16])) <= 2**3  # one 3-bit group of a row
 
 
 def test_export_holds_the_learner_weights(dirs):
