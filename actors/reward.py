@@ -4,8 +4,9 @@ Rule path: decode each response and call `task.reward(row, text)` with the row s
 the experience's `meta`; a task with `shaping` (config `task.shaping`, envs/rewards.py) has
 its reward shaped from the response's token ids (cosine length reward, repetition penalty).
 With a `scorer` (a `reward.function` or a reward server: envs/reward_runner.py, built where the
-actor is asked for) the rows' prompts, responses and rows go to `scorer.score` instead, and
-`take_metrics` hands on its per-step metrics (reward/errors, the function's own).
+actor is asked for) the rows' prompts, responses and rows go to the scorer instead;
+`take_metrics` hands on its per-step metrics (reward/errors, the function's own means),
+`take_row_metrics` a row's own (for samples.jsonl), `heldout_rewards` scores held-out responses.
 Model path: `AutoModelForSequenceClassification` from a local directory scores prompt +
 response (the logit of its single label). A reward model dir with its own tokenizer (`rlsys
 rm train` saves one) scores the decoded text re-encoded with it; without one, the policy's
@@ -15,6 +16,7 @@ token ids are scored as they are.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 
 import pyarrow as pa
 import torch
@@ -22,6 +24,8 @@ import torch
 from actors.modeling import pad_sequences, prompt_aligned_chunks, quiet_transformers
 from rlsys.logprobs import shared_prompt_passes
 from rlsys.models import find_tokenizer_dir, load_tokenizer
+
+ROW_METRICS_KEPT = 4096  # scored rows whose extra metrics wait for the samples log
 
 
 class RewardWorker:
@@ -35,6 +39,7 @@ class RewardWorker:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.task = task
         self.scorer = scorer
+        self.row_metrics: OrderedDict[str, dict] = OrderedDict()  # uid -> the reward function's extra metrics
         self.model = None
         if reward_model_dir is not None:
             self.reward_model = RewardModel(reward_model_dir)
@@ -55,7 +60,11 @@ class RewardWorker:
         texts = self.decode(table)
         metas = [json.loads(m) for m in table.column("meta").to_pylist()]
         if self.scorer is not None:
-            return self.scorer.score([self.task.prompt_text(m) for m in metas], texts, metas)
+            outcomes = self.scorer.score_rows([self.task.prompt_text(m) for m in metas], texts, metas)
+            self.row_metrics.update(zip(table.column("uid").to_pylist(), (o.metrics for o in outcomes)))
+            while len(self.row_metrics) > ROW_METRICS_KEPT:
+                self.row_metrics.popitem(last=False)
+            return [o.reward for o in outcomes]
         if getattr(self.task, "shaping", None):  # task.shaping (envs/rewards.py): token lengths and ids
             ids = table.column("response_ids").to_pylist()
             return [float(self.task.shaped_reward(meta, text, r).reward) for meta, text, r in zip(metas, texts, ids)]
@@ -64,6 +73,20 @@ class RewardWorker:
     def take_metrics(self) -> dict[str, float]:
         """The scorer's metrics since the last call ({} for the task's own reward or a reward model)."""
         return self.scorer.take_metrics() if self.scorer is not None else {}
+
+    def take_row_metrics(self, uids: list[str]) -> dict[str, dict[str, float]]:
+        """The extra metrics a reward function returned for each of these rows (uid -> {`reward/<key>`:
+        value}; the newest ROW_METRICS_KEPT scored rows are kept), for the samples log."""
+        named = lambda metrics: {self.scorer.metric_name(k): v for k, v in metrics.items()}
+        return {uid: named(self.row_metrics.pop(uid)) for uid in uids if uid in self.row_metrics}
+
+    def heldout_rewards(self, texts: list[str], metas: list[dict]) -> list[float]:
+        """The scorer's rewards of held-out responses, not counted in the step's metrics (a failed
+        row: `reward.on_error`). A worker without a scorer scores with the task's rule."""
+        if self.scorer is None:
+            return [float(self.task.reward(meta, text)) for meta, text in zip(metas, texts)]
+        outcomes = self.scorer.run([self.task.prompt_text(m) for m in metas], texts, metas)
+        return [self.scorer.on_error if o.error is not None else o.reward for o in outcomes]
 
     @torch.no_grad()
     def _model_scores(self, table: pa.Table, batch_size: int = 32) -> list[float]:

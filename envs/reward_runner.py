@@ -330,6 +330,10 @@ class RewardScorer:
         return self.runner.run(list(prompts), list(responses), list(rows))
 
     def score(self, prompts: list[str], responses: list[str], rows: list[dict]) -> list[float]:
+        return [o.reward for o in self.score_rows(prompts, responses, rows)]
+
+    def score_rows(self, prompts: list[str], responses: list[str], rows: list[dict]) -> list[Outcome]:
+        """Each row's Outcome, counted in the step's metrics, a failed row's reward `on_error`."""
         outcomes = self.run(prompts, responses, rows)
         failed = [o for o in outcomes if o.error is not None]
         self.errors += len(failed)
@@ -348,7 +352,7 @@ class RewardScorer:
             )
         self.window.append((len(failed), len(outcomes)))
         self._check_window()
-        return [self.on_error if o.error is not None else o.reward for o in outcomes]
+        return [o._replace(reward=self.on_error) if o.error is not None else o for o in outcomes]
 
     def _check_window(self) -> None:
         failed, total = (sum(x) for x in zip(*self.window))
@@ -362,10 +366,15 @@ class RewardScorer:
         """`reward/errors`, `reward/timeouts` and the extra metrics' means since the last call."""
         out = {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts)}
         for key in self.sums:
-            name = f"reward/{key}" if key not in RESERVED_METRICS else f"reward/metric_{key}"
-            out[name] = self.sums[key] / self.counts[key]
+            out[self.metric_name(key)] = self.sums[key] / self.counts[key]
         self._reset()
         return out
+
+    @staticmethod
+    def metric_name(key: str) -> str:
+        """What a function's extra metric `key` is logged as: `reward/<key>` (`reward/metric_<key>`
+        where the loop or this module has a `reward/<key>` of its own)."""
+        return f"reward/{key}" if key not in RESERVED_METRICS else f"reward/metric_{key}"
 
     def close(self) -> None:
         self.runner.close()

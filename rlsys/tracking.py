@@ -238,20 +238,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def rollout_samples(table, tokenizer, n: int) -> list[dict]:
-    """The first `n` rows of a step's Experience table as text: the prompt exactly as the model
-    saw it (special tokens and chat template kept), the response, the reward, and what else the
-    row's meta says of its reward (`reward/...` keys)."""
-    rows = table.slice(0, n).to_pylist()
+def rollout_samples(table, tokenizer, row_metrics: dict[str, dict] | None = None) -> list[dict]:
+    """A step's Experience rows as text: the prompt exactly as the model saw it (special tokens
+    and chat template kept), the response, the reward, and what else is known of the reward: the
+    row meta's `reward/...` keys and a reward function's extra metrics (`row_metrics`: uid ->
+    {`reward/<key>`: value})."""
     samples = []
-    for row in rows:
+    for row in table.to_pylist():
         meta = json.loads(row["meta"]) if isinstance(row.get("meta"), str) else (row.get("meta") or {})
+        extra = (row_metrics or {}).get(row["uid"], {})
         samples.append(
             {
                 "prompt": tokenizer.decode(row["prompt_ids"], skip_special_tokens=False),
                 "response": tokenizer.decode(row["response_ids"], skip_special_tokens=False),
                 "reward": float(row["reward"]),
                 **{k: v for k, v in meta.items() if k.startswith("reward/")},
+                **extra,
             }
         )
     return samples

@@ -215,14 +215,25 @@ class Controller:
     def reward_metrics(self) -> dict[str, float]:
         """The reward source's own metrics of this step: a judge's verdict rates and order disagreements, a reward
         function's or server's reward/errors and extra metrics (a reward model has none)."""
-        r = self.cfg.reward
-        has_metrics = r.source in ("judge", "http") or (r.source == "rule" and r.function is not None)
+        has_metrics = self.cfg.reward.source == "judge" or self.reward_has_scorer
         return ray.get(self.reward.take_metrics.remote()) if has_metrics else {}  # else no call: ~2% of a step
+
+    @property
+    def reward_has_scorer(self) -> bool:
+        """Rewards come from a reward function or server (envs/reward_runner.py), not the task's rule."""
+        r = self.cfg.reward
+        return r.source == "http" or (r.source == "rule" and r.function is not None)
+
+    def row_reward_metrics(self, uids: list[str]) -> dict[str, dict[str, float]]:
+        """A reward function's extra metrics of these rows (uid -> metrics); {} without one."""
+        return ray.get(self.reward.take_row_metrics.remote(uids)) if uids and self.reward_has_scorer else {}
 
     def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
         """Accuracy on a split through the rollout workers (current policy version): greedy
         unless `rollout.eval_greedy` is off (or `greedy=False`), then pass@1 at the rollout
-        temperature. An algorithm with an `evaluate` hook measures it its own way."""
+        temperature. With a reward function or server, a response is correct where its reward is
+        >= 1 (as `accuracy/train`) and the mean reward is reported too; else the task's
+        `is_correct` decides. An algorithm with an `evaluate` hook measures it its own way."""
         rows = self.task.rows(split)
         prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
         greedy = self.cfg.rollout.eval_greedy if greedy is None else greedy
@@ -231,7 +242,11 @@ class Controller:
             return {**self.algorithm.evaluate(self.ctx, prompts, params), "n": float(len(prompts))}
         gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
         texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
-        correct = [self.task.is_correct(prompts[g.request_index].meta, t) for g, t in zip(gens, texts)]
+        metas = [prompts[g.request_index].meta for g in gens]
+        if self.reward_has_scorer:
+            rewards = np.asarray(ray.get(self.reward.heldout_rewards.remote(texts, metas)))
+            return {"accuracy": float((rewards >= 1.0).mean()), "reward": float(rewards.mean()), "n": float(len(texts))}
+        correct = [self.task.is_correct(meta, t) for meta, t in zip(metas, texts)]
         return {"accuracy": float(np.mean(correct)), "n": float(len(correct))}
 
     def save_checkpoint(self, metrics: dict | None = None) -> Path:

@@ -42,7 +42,9 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
             metrics["time/checkpoint"] = run.ctx.timings["checkpoint"]
         # log
         tracker.log(run.step, metrics)
-        tracker.log_samples(run.step, rollout_samples(rows, run.tokenizer, cfg.trainer.log_samples))
+        shown = rows.slice(0, cfg.trainer.log_samples)
+        extra = run.row_reward_metrics(shown.column("uid").to_pylist())  # a reward function's, per row
+        tracker.log_samples(run.step, rollout_samples(shown, run.tokenizer, extra))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}", refresh=False)
         bar.update()
     return last_eval

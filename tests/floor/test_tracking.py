@@ -30,11 +30,14 @@ def _table(tok, n=3):
 
 def test_samples_reach_the_jsonl_and_tensorboard_and_resume_drops_later_ones(tmp_path):
     tok = train_tokenizer([f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], vocab_size=64)
-    samples = rollout_samples(_table(tok), tok, 2)
+    table = _table(tok)
+    samples = rollout_samples(table.slice(0, 2), tok)
     assert [s["prompt"] for s in samples] == ["0+1=", "1+1="]
     assert [s["response"] for s in samples] == ["1", "2"]
     assert [s["reward"] for s in samples] == [0.0, 1.0] and samples[0]["reward/format"] == 0.5
     assert "answer" not in samples[0]  # the row's other meta stays out of the log
+    extra = {table.column("uid")[1].as_py(): {"reward/steps_shown": 3.0}}  # a reward function's, per row
+    assert [s.get("reward/steps_shown") for s in rollout_samples(table.slice(0, 2), tok, extra)] == [None, 3.0]
 
     tracker = Tracker(tmp_path)
     tracker.log_samples(1, samples)

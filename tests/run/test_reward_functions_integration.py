@@ -78,6 +78,11 @@ def test_the_reward_worker_scores_through_a_scorer_and_hands_on_its_metrics(tmp_
     try:
         assert worker.score(table) == [1.0, 0.0]  # the decoded responses, the task's prompt, the row
         assert worker.take_metrics() == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/saw_prompt": 1.0}
+        per_row = {"reward/saw_prompt": 1.0}  # each row's own, for samples.jsonl, handed on once
+        assert worker.take_row_metrics(["4", "3", "unknown"]) == {"4": per_row, "3": per_row}
+        assert worker.take_row_metrics(["3"]) == {}
+        assert worker.heldout_rewards(["3", "5"], [row, row]) == [1.0, 0.0]  # held-out: not in the step's metrics
+        assert worker.take_metrics() == {"reward/errors": 0.0, "reward/timeouts": 0.0}
     finally:
         scorer.close()
     assert RewardWorker(str(tmp_path / "policy"), task=Task()).take_metrics() == {}  # the task's own reward
@@ -118,6 +123,12 @@ def test_rows_that_raise_hang_or_return_a_string_lose_no_step(ray_cluster, tmp_p
     assert sum(r["reward/errors"] for r in rows) > sum(r["reward/timeouts"] for r in rows) > 0
     assert all(r["reward/errors"] <= r["samples"] for r in rows)
     assert any("reward/length" in r for r in rows)  # a dict's extra numbers, as means
+    samples = [json.loads(line) for line in (tmp_path / "flaky" / "samples.jsonl").read_text().splitlines()]
+    scored = [s for s in samples if "reward/length" in s]  # and each row's own in the samples log
+    assert scored and all(0 <= s["reward/length"] <= len(s["response"]) for s in scored)  # special tokens shown
+    evals = [json.loads(line) for line in (tmp_path / "flaky" / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 3] and all(0.0 <= e["reward"] <= 1.0 for e in evals)
+    assert all(e["accuracy"] <= e["reward"] for e in evals)  # held-out: scored by the function, >= 1 correct
 
 
 def test_a_function_failing_on_every_row_stops_the_run_in_one_line(ray_cluster, tmp_path):
