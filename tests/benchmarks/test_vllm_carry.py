@@ -10,8 +10,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "vllm_carry"))
+CARRY = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_carry"
+sys.path.insert(0, str(CARRY))
 import carry  # noqa: E402
 
 
@@ -123,6 +123,6 @@ def test_verify_names_missing_extra_and_altered_wheels(tmp_path):
 
 def test_the_command_line_says_what_differs_in_one_line(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "vllm_carry" / "carry.py"), "verify", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, str(CARRY / "carry.py"), "verify", str(tmp_path)], capture_output=True, text=True
     )
     assert done.returncode == 1 and done.stdout.count("\n") == 1 and "missing vllm-0.26.0-" in done.stdout
