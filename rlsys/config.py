@@ -346,6 +346,16 @@ class TrainerConfig(Section):
         0, ge=0, description="checkpoint every this many steps and after the last (0: no checkpoints, so no resume)"
     )
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept; older ones are deleted")
+    checkpoint_on_signal: bool = Field(
+        True,
+        description="on SIGTERM (a scheduler's preemption, `kill`): finish the step in flight, checkpoint it and "
+        "exit 143 with one line naming the step, the checkpoint and the resume command (false: no checkpoint)",
+    )
+    checkpoint_on_interrupt: bool = Field(
+        False,
+        description="on Ctrl-C (SIGINT): the same, checkpoint included (false: exit 130 after the step in flight "
+        "without one; a second Ctrl-C exits at once)",
+    )
     log_samples: int = Field(
         4,
         ge=0,

@@ -12,3 +12,12 @@ class LearnerFailed(RunFailed):
 
 class WeightSyncTimeout(RunFailed):
     pass
+
+
+class Stopped(RunFailed):
+    """A signal stopped the run at a step boundary; the message names the step, the checkpoint
+    and the resume command, and the CLI exits 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum

@@ -14,7 +14,7 @@ from pathlib import Path
 from envs.datasets import DatasetError
 from rlsys.checkpoint import CheckpointError
 from rlsys.config import ConfigError, config_reference, load_config
-from rlsys.errors import RunFailed
+from rlsys.errors import RunFailed, Stopped
 
 
 def _resume(args) -> int:
@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError, CheckpointError) as e:
         print(str(e), file=sys.stderr)
         return 2
+    except Stopped as e:  # a signal, at a step boundary
+        print(f"rlsys: {e}", file=sys.stderr)
+        return 128 + e.signum
     except RunFailed as e:
         # raised in a Ray actor: Ray's wrapper carries the traceback, its cause the one line
         cause = getattr(e, "cause", None)

@@ -33,6 +33,7 @@ from rlsys.run import checkpointing, loop
 from rlsys.run.actors import Learners, start_actors
 from rlsys.run.context import ActorContext
 from rlsys.run.rollouts import PromptStream, RolloutSource
+from rlsys.run.stop import StopSignals
 from rlsys.run.weight_sync import make_weight_sync
 from rlsys.tracking import Tracker, read_jsonl
 from sandbox.base import unavailable
@@ -52,6 +53,7 @@ class Controller:
         self.step = 0
         self.attached = None  # the run's AttachedEvaluators, opened by run()
         self.weights = None  # the weight-sync strategy, made by start_actors
+        self.stop = StopSignals()  # the signals that stop the run, installed by run()
 
     # the run's policy (the first of `self.policies`): its rollout workers and learner ranks
     @property
@@ -273,7 +275,8 @@ class Controller:
             first, last_eval, restored = self._begin(resume, tracker)
             self.attached.start(self.policy_dir, self.task, cfg.rollout.max_new_tokens, restored)
             bar = progress_bar(cfg.trainer.steps, cfg.algorithm.name, self.progress, initial=self.step)
-            last_eval = loop.train(self, tracker, bar, last_eval)
+            with StopSignals() as self.stop:  # SIGTERM, Ctrl-C: the loop stops at the next step boundary
+                last_eval = loop.train(self, tracker, bar, last_eval)
             bar.close()
             self._finish(tracker)
         finally:

@@ -1,4 +1,5 @@
-"""The training loop: sample -> prepare -> train -> sync -> evaluate -> checkpoint -> log, once per step.
+"""The training loop: sample -> prepare -> train -> sync -> evaluate -> checkpoint -> log (-> stop),
+once per step.
 
 `run` is the Controller (rlsys/run/controller.py): it owns the actors and the objects each phase
 calls: `rollouts` (prompt stream, buffer, overlap prefetch), `learner_group` (the ranks of every
@@ -14,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlsys.contract import ReportsPrepareMetrics, RestartsPolicy
+from rlsys.run.stop import stop_at_boundary
 from rlsys.tracking import Tracker, rollout_samples
 
 
@@ -47,6 +49,9 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
         tracker.log_samples(run.step, rollout_samples(shown, run.tokenizer, extra))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}", refresh=False)
         bar.update()
+        # stop: a SIGTERM or Ctrl-C during the step ends the run here (checkpointed as configured)
+        if run.stop.signum is not None:
+            raise stop_at_boundary(run, run.stop.signum, metrics)
     return last_eval
 
 
