@@ -32,6 +32,7 @@ from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm
 from actors.weight_broadcast import BroadcastGroup, weight_manifest
 from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient
 from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
+from rlsys.weight_digest import digest
 
 
 def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
@@ -277,6 +278,12 @@ class Learner:
         (one copy fewer per sync: the actor's return value is serialized before the next step)."""
         with self._full_policy() as policy:
             return state_dict_numpy(policy, copy=self.zero_stage == 3) if self.rank == 0 else None
+
+    def weights_and_digest(self) -> tuple[dict[str, np.ndarray] | None, dict[str, int] | None]:
+        """`weights()` and their checksums (rlsys/weight_digest.py), for the object-store sync: two
+        return values (`.options(num_returns=2)`), so a worker gets the digest without the weights."""
+        weights = self.weights()
+        return weights, (digest(weights) if weights is not None else None)
 
     # ---- trainer.weight_sync=shared_memory (actors/shared_weights.py) ----------------------------
     def share_weights(self, policy: str, required_free: float = 1.25):

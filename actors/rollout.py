@@ -24,8 +24,10 @@ from actors.lean_decode import LeanDecoder, positions_from_mask, supports_lean_d
 from actors.modeling import adopt_numpy_state, load_numpy_state, pad_sequences, quiet_transformers
 from actors.shared_weights import SharedWeights
 from actors.weight_broadcast import BroadcastGroup
+from rlsys.errors import WeightsCorrupt
 from rlsys.generation import Generation, GenerationRequest, Interpolation, SamplingParams, interpolated_logits
 from rlsys.models import load_model
+from rlsys.weight_digest import first_mismatch
 
 
 class RolloutBackend(Protocol):
@@ -365,10 +367,20 @@ class RolloutWorker:
             self.tokens_generated += len(g.response_ids)
         return gens
 
-    def load_weights(self, version: int, weights: dict[str, np.ndarray]) -> int:
+    def load_weights(self, version: int, weights: dict[str, np.ndarray], digest: dict[str, int] | None = None) -> int:
+        """New weights from the object store, checked against the learner's `digest` first."""
+        bad = first_mismatch(digest, weights) if digest is not None else None
+        if bad is not None:
+            raise self._corrupt(version, bad, "the object store")
         self.backend.load_weights(weights)
         self.version = version
         return version
+
+    def _corrupt(self, version: int, tensor: str, path: str) -> WeightsCorrupt:
+        return WeightsCorrupt(
+            f"rollout worker {self.index}: the weights of version {version} arrived corrupt through {path}: "
+            f"tensor {tensor} does not match the learner's checksum"
+        )
 
     def load_shared(self, version: int, layout, slot: int, *written) -> int:
         """The weights of `version` from `slot` of the learner's shared-memory file (actors/
@@ -376,6 +388,11 @@ class RolloutWorker:
         the learner calls that wrote them (Ray runs this call once they have finished)."""
         if self.shared is None or self.shared.layout != layout:
             self.shared = SharedWeights(layout)
+        if self.shared.verify(slot) is not None:  # read once more, through a fresh mapping
+            self.shared = SharedWeights(layout)
+            bad = self.shared.verify(slot)
+            if bad is not None:
+                raise self._corrupt(version, bad, f"shared memory ({layout.path}, slot {slot})")
         self.backend.load_weights(self.shared.arrays(slot))
         self.version = version
         return version
@@ -425,7 +442,11 @@ class RolloutWorker:
         else:
             if self.weight_broadcast is None:
                 raise RuntimeError("receive_weights before open_weight_broadcast")
-            self.backend.load_weights(dict(self.weight_broadcast.receive(version, manifest)))
+            try:
+                received = dict(self.weight_broadcast.receive(version, manifest))
+            except WeightsCorrupt as e:
+                raise WeightsCorrupt(f"rollout worker {self.index}: {e} (the broadcast group)") from None
+            self.backend.load_weights(received)
         self.version = version
         return version
 

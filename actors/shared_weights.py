@@ -9,6 +9,9 @@ at the slot's arrays (no copy, as with the object store's read-only buffers). On
 version number and the slot travel through Ray, so a sync costs one memory copy on the
 learner and two small actor calls, not a serialization into the object store and back.
 
+Each slot has its checksums after the slots (an xxh3-64 per tensor, written after the tensors):
+a worker verifies the slot against them before it loads it (`verify`).
+
 Two slots let the workers serve version v from one while the learner writes v + 1 into
 the other (`trainer.overlap_rollout`); the controller waits for every worker's load of
 v before the learner may write v + 2 over v's slot (`SharedMemorySync.train_slot` in
@@ -26,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from rlsys.weight_digest import tensor_hash
 
 SHM_DIR = Path("/dev/shm")
 SLOTS = 2
@@ -73,8 +78,13 @@ class SharedLayout:
         return cls(str(path), max(offset, ALIGN), tuple(entries))
 
     @property
+    def digest_bytes(self) -> int:
+        """Bytes of one slot's checksums: an xxh3-64 per entry (rlsys/weight_digest.py)."""
+        return -(-8 * len(self.entries) // ALIGN) * ALIGN
+
+    @property
     def file_bytes(self) -> int:
-        return SLOTS * self.slot_bytes
+        return SLOTS * (self.slot_bytes + self.digest_bytes)
 
 
 def shm_path(policy: str) -> Path:
@@ -147,8 +157,22 @@ class SharedWeights:
             out[name] = bf16_from_bits(view) if dtype == BF16 else view
         return out
 
+    def _stored_digest(self, slot: int) -> np.ndarray:
+        """The slot's checksums (uint64 per entry), a view of the mapping after the slots."""
+        start = SLOTS * self.layout.slot_bytes + slot * self.layout.digest_bytes
+        return self.buffer[start : start + 8 * len(self.layout.entries)].view(np.uint64)
+
+    def verify(self, slot: int) -> str | None:
+        """The first tensor of `slot` whose bytes differ from the checksum its writer stored, or None."""
+        views, stored = self.arrays(slot), self._stored_digest(slot)
+        for (name, *_), h in zip(self.layout.entries, stored.tolist()):
+            if tensor_hash(views[name]) != h:
+                return name
+        return None
+
     def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy `tensors` (by layout name; any device, cast to the layout's dtype) into `slot`."""
+        """Copy `tensors` (by layout name; any device, cast to the layout's dtype) into `slot`,
+        then the checksums of what the slot now holds."""
         views = self.arrays(slot)
         missing = [name for name in views if name not in tensors]
         if missing:
@@ -160,6 +184,7 @@ class SharedWeights:
                     view = views[name] if isinstance(views[name], torch.Tensor) else torch.from_numpy(views[name])
                     view.copy_(tensors[name].detach().reshape(view.shape))
                     written.add(offset)
+        self._stored_digest(slot)[:] = [tensor_hash(views[name]) for name, *_ in self.layout.entries]
 
     def close(self, unlink: bool = False) -> None:
         self.buffer, self._views = None, {}

@@ -6,9 +6,10 @@ learner rank 0's host) joined by learner rank 0 as rank 0 and by every rollout r
 1..world-1. It is NCCL when the tensors live on CUDA and gloo on CPU; the code is the same.
 
 One sync is: a header tensor [version, number of tensors] broadcast first, then the
-weights packed into flat same-dtype buckets (`bucket_plan`), each one broadcast. A
-receiver checks the version it was told against the header, so a receiver that is one
-sync behind fails loudly instead of serving mixed weights. The controller bounds the
+weights packed into flat same-dtype buckets (`bucket_plan`), each one broadcast, then the
+tensors' checksums (rlsys/weight_digest.py). A receiver checks the version it was told
+against the header, so a receiver that is one sync behind fails loudly instead of serving
+mixed weights, and what it received against the checksums (WeightsCorrupt naming the tensor). The controller bounds the
 whole exchange by `trainer.sync_timeout_s` (WeightSyncTimeout), as for the object store.
 """
 
@@ -19,6 +20,9 @@ from datetime import timedelta
 from typing import Iterable, Sequence
 
 import torch
+
+from rlsys.errors import WeightsCorrupt
+from rlsys.weight_digest import as_int64, first_mismatch, from_int64, tensor_hash
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -121,6 +125,7 @@ class BroadcastGroup:
                 flat = torch.cat([tensors[i].detach().reshape(-1).to(self.device) for i in bucket])
                 self._broadcast(flat)
                 sent += flat.numel() * flat.element_size()
+        self._broadcast(as_int64(tensor_hash(t) for t in tensors).to(self.device))  # the checksums, last
         return sent
 
     def receive(
@@ -147,6 +152,11 @@ class BroadcastGroup:
             for s in specs:
                 out.append((s.name, flat[offset : offset + s.numel].view(s.shape)))
                 offset += s.numel
+        hashes = torch.zeros(count, dtype=torch.int64, device=self.device)
+        self._broadcast(hashes)
         if got_version != version:  # received in full (the group stays in step), then refused
             raise RuntimeError(mismatch)
+        bad = first_mismatch(dict(zip((s.name for s in manifest), from_int64(hashes))), dict(out))
+        if bad is not None:
+            raise WeightsCorrupt(f"weights of version {version} arrived corrupt: tensor {bad} fails its checksum")
         return out

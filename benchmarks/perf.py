@@ -417,9 +417,9 @@ class Bench:
             v = next(version)
             ray.get(worker.load_shared.remote(v, layout, v % SLOTS, learner.write_shared.remote(v % SLOTS)))
 
-        def store_path():
-            ref = learner.weights.remote()
-            ray.get(worker.load_weights.remote(next(version), ref))
+        def store_path():  # as the run's sync: the weights and their checksums (rlsys/weight_digest.py)
+            ref, digest = learner.weights_and_digest.options(num_returns=2).remote()
+            ray.get(worker.load_weights.remote(next(version), ref, digest))
 
         state = ray.get(learner.weights.remote())
         mb = sum(a.nbytes for a in state.values()) / 2**20

@@ -14,6 +14,10 @@ class WeightSyncTimeout(RunFailed):
     pass
 
 
+class WeightsCorrupt(RunFailed):
+    """Weights a rollout worker received do not match the checksum the learner sent with them."""
+
+
 class Stopped(RunFailed):
     """A signal stopped the run at a step boundary; the message names the step, the checkpoint
     and the resume command, and the CLI exits 128 + the signal's number."""

@@ -25,6 +25,7 @@ class PolicyActors:
     workers: list
     learners: list
     weights_ref: object = None
+    weights_digest: object = None  # the checksums of `weights_ref` (an object ref; rlsys/weight_digest.py)
     shared: object = None
 
 

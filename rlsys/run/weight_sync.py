@@ -13,6 +13,7 @@ controller waits (`settle`) only when it next uses the workers' results or check
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -20,7 +21,7 @@ import ray
 
 from actors.shared_weights import SLOTS
 from rlsys.config import JobConfig
-from rlsys.errors import RunFailed
+from rlsys.errors import RunFailed, WeightsCorrupt
 from rlsys.placement import acknowledged, open_shared_weights, open_weight_broadcast, readmit_blocked
 from rlsys.run.context import PolicyActors
 
@@ -41,21 +42,43 @@ class WeightSync(Protocol):
 
 @dataclass
 class InFlight:
-    """A sync sent but not awaited: the workers' acknowledgements and the other ranks' calls."""
+    """A sync sent but not awaited: the workers' acknowledgements, each with the call that sends
+    that worker the same weights again, and the other ranks' calls."""
 
     version: int
     acks: list = field(default_factory=list)
+    resends: list = field(default_factory=list)  # per ack: () -> a new ack
     gathered: list = field(default_factory=list)
 
+    def add(self, ack, resend: Callable) -> None:
+        self.acks.append(ack)
+        self.resends.append(resend)
+
     def wait(self, timeout: float, from_learners: FromLearners) -> None:
-        from_learners(self.gathered + acknowledged(self.acks, self.version, timeout))
+        """Every acknowledgement; weights that arrived corrupt (WeightsCorrupt) are sent once more,
+        and a second failure ends the run with the worker's one line."""
+        from_learners(self.gathered)
+        acknowledged(self.acks, self.version, timeout)
+        for ack, resend in zip(self.acks, self.resends):
+            try:
+                ray.get(ack)
+            except WeightsCorrupt as e:
+                print(f"rlsys: {getattr(e, 'cause', e)}; sending them again", file=sys.stderr, flush=True)
+                try:
+                    ray.get(acknowledged([resend()], self.version, timeout))
+                except WeightsCorrupt as again:
+                    cause = getattr(again, "cause", again)
+                    raise WeightsCorrupt(f"{cause} (twice: the run stopped)") from None
 
 
 def send_through_object_store(p: PolicyActors, version: int, sent: InFlight) -> None:
-    refs = [l.weights.remote() for l in p.learners]  # ZeRO-3: every rank joins the gather
-    sent.acks += [w.load_weights.remote(version, refs[0]) for w in p.workers]
-    sent.gathered += refs[1:]
-    p.weights_ref = refs[0]
+    """Rank 0's weights and their checksums into the object store, every worker loading them."""
+    weights, digest = p.learners[0].weights_and_digest.options(num_returns=2).remote()
+    sent.gathered += [l.weights.remote() for l in p.learners[1:]]  # ZeRO-3: every rank joins the gather
+    for w in p.workers:
+        load = lambda w=w: w.load_weights.remote(version, weights, digest)  # noqa: E731
+        sent.add(load(), load)
+    p.weights_ref, p.weights_digest = weights, digest
 
 
 def asked_weights_ref(p: PolicyActors, version: int, from_learners: FromLearners):
@@ -64,7 +87,7 @@ def asked_weights_ref(p: PolicyActors, version: int, from_learners: FromLearners
     if p.weights_ref is None and version > 0:
         refs = [l.weights.remote() for l in p.learners]  # ZeRO-3: every rank joins the gather
         from_learners(refs[1:])
-        p.weights_ref = refs[0]
+        p.weights_ref, p.weights_digest = refs[0], None
     return p.weights_ref
 
 
@@ -93,7 +116,8 @@ class ObjectStoreSync:
             pending.wait(self.timeout, self.from_learners)
 
     def readmit(self, policy: str, worker) -> None:
-        ray.get(worker.load_weights.remote(self.version, self.policies[policy].weights_ref))
+        p = self.policies[policy]
+        ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
 
     def weights_ref(self, policy: str):
         return self.policies[policy].weights_ref
@@ -130,9 +154,12 @@ class SharedMemorySync:
                 send_through_object_store(p, version, sent)
                 continue
             written = (training or {}).get(name) or [l.write_shared.remote(version % SLOTS) for l in p.learners]
-            sent.acks += [w.load_shared.remote(version, p.shared, version % SLOTS, written[0]) for w in p.workers]
+            slot = version % SLOTS
+            for w in p.workers:
+                again = lambda w=w, p=p: w.load_shared.remote(version, p.shared, slot)  # noqa: E731
+                sent.add(w.load_shared.remote(version, p.shared, slot, written[0]), again)
             sent.gathered += written[1:]
-            p.weights_ref = None  # asked for when needed (`weights_ref`)
+            p.weights_ref = p.weights_digest = None  # asked for when needed (`weights_ref`)
         self.version = version
 
     def settle(self) -> None:
@@ -143,7 +170,7 @@ class SharedMemorySync:
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]
         if p.shared is None:
-            ray.get(worker.load_weights.remote(self.version, p.weights_ref))
+            ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
         else:
             ray.get(worker.load_shared.remote(self.version, p.shared, self.version % SLOTS))
 
@@ -194,7 +221,7 @@ class BroadcastSync:
         ray.get(acknowledged(acks, version, self.cfg.trainer.sync_timeout_s))
         self.from_learners(sends)
         self.version = version
-        p.weights_ref = None  # asked for when needed (`weights_ref`)
+        p.weights_ref = p.weights_digest = None  # asked for when needed (`weights_ref`)
 
     def settle(self) -> None:
         pass  # `send` waits

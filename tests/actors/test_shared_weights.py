@@ -52,7 +52,7 @@ def test_slots_hold_aligned_disjoint_copies_of_the_state_dict(tmp_path):
     ends = [offset + int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt, offset in layout.entries]
     assert all(end <= nxt for end, (*_, nxt) in zip(ends, layout.entries[1:])) and ends[-1] <= layout.slot_bytes
     writer = SharedWeights(layout, create=True)
-    assert os.path.getsize(layout.path) == SLOTS * layout.slot_bytes
+    assert os.path.getsize(layout.path) == layout.file_bytes == SLOTS * (layout.slot_bytes + layout.digest_bytes)
     state = model.state_dict()
     writer.write(0, state)
     other = _tiny_model(1).state_dict()
@@ -167,7 +167,7 @@ def test_a_file_of_another_size_and_a_missing_tensor_are_named(tmp_path):
         writer.write(0, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
     with open(layout.path, "ab") as f:
         f.write(b"\0")
-    with pytest.raises(ValueError, match=f"shared weights file {layout.path} is {SLOTS * layout.slot_bytes + 1} bytes"):
+    with pytest.raises(ValueError, match=f"shared weights file {layout.path} is {layout.file_bytes + 1} bytes"):
         SharedWeights(layout)
     with pytest.raises(ValueError, match="slot 2 \\(the file has 2\\)"):
         writer.arrays(2)

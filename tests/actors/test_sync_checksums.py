@@ -1,0 +1,97 @@
+"""Weight-sync integrity: every sync carries the learner's checksums (rlsys/weight_digest.py)
+and a rollout worker checks what it received before it loads it. A byte flipped in the
+shared-memory slot or in the object store's copy is named (worker, version, tensor); the
+controller sends corrupt weights once more, and a second failure stops the run in one line."""
+
+import numpy as np
+import pytest
+import torch
+
+from actors.modeling import state_dict_numpy, tied_state_dict
+from actors.shared_weights import SharedLayout, SharedWeights
+from rlsys.errors import WeightsCorrupt
+from rlsys.weight_digest import as_int64, digest, first_mismatch, from_int64, tensor_hash
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer
+
+    tok = train_tokenizer(["1+2=3", "4+5=9"], vocab_size=48)
+    model = build_tiny_model(TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2), tok, seed=0)
+    return save_model_dir(model, tok, tmp_path / "policy")
+
+
+def flipped(weights: dict, name: str) -> dict:
+    """A copy of `weights` with one byte of `name` changed."""
+    out = {k: v.copy() for k, v in weights.items()}
+    out[name].reshape(-1).view(np.uint8)[7] ^= 0x10
+    return out
+
+
+def test_digest_names_the_tensor_whose_bytes_differ():
+    a = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    d = digest(a)
+    assert first_mismatch(d, a) is None and d["w"] == tensor_hash(torch.from_numpy(a["w"]))  # numpy or torch
+    assert first_mismatch(d, {**a, "b": a["b"] + 1}) == "b" and first_mismatch(d, {"b": a["b"]}) == "w"
+    assert first_mismatch(d, {**a, "w": a["w"].T.copy().T}) is None  # the same values, another memory order
+    assert first_mismatch(d, flipped({"w": a["w"]}, "w") | {"b": a["b"]}) == "w"
+    assert from_int64(as_int64(d.values())) == list(d.values())  # through a process group's int64 tensor
+
+
+def test_a_byte_flipped_in_a_shared_memory_slot_is_named_by_the_worker(tmp_path, model_dir):
+    from actors.rollout import RolloutWorker
+    from rlsys.models import load_model
+
+    state = tied_state_dict(load_model(model_dir))
+    layout = SharedLayout.of(tmp_path / "rlsys-weights-test", state)
+    SharedWeights(layout, create=True).write(1, state)
+    worker = RolloutWorker(str(model_dir), index=3)
+    assert worker.load_shared(5, layout, 1) == 5 and worker.shared.verify(1) is None
+    name, _, _, offset = layout.entries[2]
+    raw = np.memmap(layout.path, dtype=np.uint8, mode="r+")
+    raw[layout.slot_bytes + offset + 5] ^= 0x01  # slot 1, third tensor: what a torn write would leave
+    raw.flush()
+    assert SharedWeights(layout).verify(1) == name and SharedWeights(layout).verify(0) is not None  # 0: unwritten
+    with pytest.raises(WeightsCorrupt) as e:
+        worker.load_shared(7, layout, 1)
+    assert str(e.value) == (
+        f"rollout worker 3: the weights of version 7 arrived corrupt through shared memory ({layout.path}, slot 1): "
+        f"tensor {name} does not match the learner's checksum"
+    )
+    assert worker.version == 5  # it kept serving what it had
+
+
+def test_object_store_weights_that_arrive_corrupt_are_sent_again_then_stop_the_run(ray_cluster, model_dir, capfd):
+    """A worker actor loads through the object store what the learner hashed (`digest`) but with
+    a byte changed in transit: once, the resend heals it; twice, the run stops in one line."""
+    from actors.rollout import RolloutWorker
+    from rlsys.models import load_model
+    from rlsys.run.weight_sync import InFlight
+
+    worker = ray_cluster.remote(RolloutWorker).remote(str(model_dir), index=1)
+    good = state_dict_numpy(load_model(model_dir))
+    name = "model.layers.1.mlp.down_proj.weight"
+    sent, corrupt = ray_cluster.put(good), ray_cluster.put(flipped(good, name))
+    checksums = ray_cluster.put(digest(good))
+    get = ray_cluster.get
+
+    healed = InFlight(1)
+    healed.add(
+        worker.load_weights.remote(1, corrupt, checksums), lambda: worker.load_weights.remote(1, sent, checksums)
+    )
+    healed.wait(60, get)
+    assert get(worker.policy_version.remote()) == 1
+    assert "rollout worker 1: the weights of version 1 arrived corrupt" in capfd.readouterr().err
+
+    broken = InFlight(2)
+    again = lambda: worker.load_weights.remote(2, corrupt, checksums)  # noqa: E731
+    broken.add(again(), again)
+    with pytest.raises(WeightsCorrupt) as e:
+        broken.wait(60, get)
+    message = str(e.value)
+    assert "\n" not in message and message == (
+        f"rollout worker 1: the weights of version 2 arrived corrupt through the object store: tensor {name} "
+        f"does not match the learner's checksum (twice: the run stopped)"
+    )
+    assert get(worker.policy_version.remote()) == 1
