@@ -82,6 +82,13 @@ def reward_file_shipping(function: str | None, workdir: str | Path = ".") -> tup
     return [str(path)], [f"reward.function={path.stem}:{name}"]
 
 
+def entrypoint(config: str, overrides: list[str]) -> str:
+    """The job's shell command: the cluster's `python` is checked first (rlsys/run/preflight.py: one
+    line naming it where it lacks rlsys's packages), then runs the job."""
+    run = ["python", "-m", "rlsys.run.cli", "run", config, *overrides, "--no-progress"]
+    return "python -m rlsys.run.preflight && " + " ".join(shlex.quote(a) for a in run)
+
+
 def submit(
     address: str,
     config: str,
@@ -91,13 +98,11 @@ def submit(
     py_modules: list[str] = (),
 ) -> str:
     workdir = Path(workdir).resolve()
-    output_dir = f"run.output_dir={workdir / 'runs'}"
-    args = ["python", "-m", "rlsys.run.cli", "run", config, output_dir, *overrides, "--no-progress"]
     deadline = time.time() + 120
     while True:
         try:
             return client(address).submit_job(
-                entrypoint=" ".join(shlex.quote(a) for a in args),
+                entrypoint=entrypoint(config, [f"run.output_dir={workdir / 'runs'}", *overrides]),
                 runtime_env={
                     "working_dir": str(workdir),
                     "excludes": EXCLUDES,

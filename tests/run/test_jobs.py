@@ -251,3 +251,32 @@ def test_the_dashboard_off_loopback_needs_the_token(head_node):
         timeout=120,
     )
     assert p.returncode == 2 and "no Ray auth token was found" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_cluster_whose_python_lacks_rlsys_ends_the_job_in_one_line(tmp_path):
+    """The job's entrypoint as Ray's job supervisor runs it (a shell with the cluster's PATH),
+    for a cluster started from a shell whose `python` is the system one: one line naming it."""
+    from rlsys.jobs import entrypoint
+
+    system = Path("/usr/bin/python3")
+    if not system.exists() or subprocess.run([system, "-c", "import ray"], capture_output=True).returncode == 0:
+        pytest.skip("needs a system python3 without ray")
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(system)
+    command = entrypoint("configs/quickstart.yaml", [f"run.output_dir={tmp_path}", "trainer.steps=1"])
+    done = subprocess.run(
+        ["bash", "-c", command],
+        cwd=Path(__file__).resolve().parents[2],  # the job's working dir: the repository
+        env={"PATH": f"{bare}:/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"rlsys: the cluster runs this job with {bare / 'python'} (Python 3.")
+    assert "cannot import ray, torch, deepspeed" in line and "source .venv/bin/activate && ray start --head" in line
+    assert not (tmp_path / "quickstart").exists()  # nothing ran
+    ours = subprocess.run([sys.executable, "-m", "rlsys.run.preflight"], capture_output=True, text=True, timeout=60)
+    assert ours.returncode == 0 and ours.stderr == ""
