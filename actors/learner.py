@@ -2,8 +2,8 @@
 
 The loss is the algorithm's `loss(outputs, batch)`, handed in as an object: the learner
 knows nothing of any particular algorithm. Ranks rendezvous over torch.distributed
-(gloo on CPU) on 127.0.0.1; each rank trains on its shard of the batch and DeepSpeed
-averages gradients.
+(gloo on CPU) at rank 0's node address (127.0.0.1 on one node); each rank trains on its shard
+of the batch and DeepSpeed averages gradients.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class Learner:
         threads: int = 1,
         rank: int = 0,
         world_size: int = 1,
+        master_addr: str = "127.0.0.1",
         master_port: int = 29500,
         seed: int = 0,
         lr_schedule: str = "constant",
@@ -106,7 +107,7 @@ class Learner:
             RANK=str(rank),
             LOCAL_RANK="0",
             WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
+            MASTER_ADDR=master_addr,  # rank 0's node (rlsys/placement.py learner_placement)
             MASTER_PORT=str(master_port),
         )
         torch.set_num_threads(threads)

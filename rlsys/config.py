@@ -411,6 +411,50 @@ class RayConfig(Section):
     )
 
 
+def custom_resources(v: dict[str, float]) -> dict[str, float]:
+    bad = {k: x for k, x in v.items() if not x > 0 or k in ("CPU", "GPU", "memory")}
+    if bad:
+        raise ValueError(f"takes custom resources with amounts > 0 (CPU and GPU come from the roles), not {bad}")
+    return v
+
+
+class LearnerPlacement(Section):
+    """Where the learner ranks go: one placement-group bundle per rank."""
+
+    resources: dict[str, float] = Field(
+        {},
+        description="custom Ray resources each rank asks for (a node started with `ray start --resources "
+        "'{\"node_a\": 4}'` offers them): pins the ranks to the nodes that have them; {} anywhere",
+    )
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="the ranks' placement group strategy: PACK on as few nodes as fit, STRICT_SPREAD one rank per "
+        "node (DeepSpeed's rendezvous at rank 0's node address)",
+    )
+
+    _custom = field_validator("resources")(lambda v: custom_resources(v))
+
+
+class RolloutPlacement(Section):
+    """Where the rollout workers go."""
+
+    resources: dict[str, float] = Field(
+        {},
+        description="custom Ray resources each rollout worker asks for: pins the workers to the nodes that "
+        "have them; {} anywhere (hf backend; a vLLM engine's placement group takes GPUs)",
+    )
+
+    _custom = field_validator("resources")(lambda v: custom_resources(v))
+
+
+class PlacementConfig(Section):
+    """Which nodes of a multi-node Ray cluster each role runs on (the reference, reward and buffer
+    actors go where Ray finds room)."""
+
+    learner: LearnerPlacement = Field(LearnerPlacement(), description="the learner ranks")
+    rollout: RolloutPlacement = Field(RolloutPlacement(), description="the rollout workers")
+
+
 class SandboxConfig(Section):
     """Code execution for tasks that need it (task.name=code): a SandboxPool on Ray."""
 
@@ -687,6 +731,9 @@ class JobConfig(Section):
     )
     buffer: BufferConfig = Field(BufferConfig(), description="the experience buffer between rollout and learner")
     ray: RayConfig = Field(RayConfig(), description="which Ray cluster the run uses")
+    placement: PlacementConfig = Field(
+        PlacementConfig(), description="which nodes of a multi-node cluster the learner ranks and rollout workers use"
+    )
     reward: RewardConfig = Field(
         RewardConfig(), description="where rewards come from: the task's rule, a reward model or a generative judge"
     )

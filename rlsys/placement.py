@@ -19,9 +19,12 @@ from rlsys.errors import RunFailed, WeightSyncTimeout
 def rollout_actor_options(cfg: JobConfig) -> list[dict]:
     """Ray options of each rollout worker: half a CPU (hf), or a bundle of a placement
     group holding its vLLM engine's tensor_parallel_size GPUs (vllm)."""
-    r = cfg.rollout
+    r, resources = cfg.rollout, cfg.placement.rollout.resources
     if r.backend != "vllm":
-        return [dict(num_cpus=0.5)] * r.num_workers
+        why = unplaceable("placement.rollout.resources", resources, r.num_workers)
+        if why:
+            raise RunFailed(why)
+        return [dict(num_cpus=0.5, **({"resources": resources} if resources else {}))] * r.num_workers
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -49,6 +52,71 @@ def rollout_actor_options(cfg: JobConfig) -> list[dict]:
         )
         for i, b in enumerate(bundles)
     ]
+
+
+def unplaceable(key: str, bundle: dict[str, float], count: int, strategy: str = "PACK") -> str | None:
+    """Why `count` actors asking for `bundle` can never be placed on the cluster's alive nodes
+    (None: they can, once there is room): names the resource missing on which nodes."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+    if not custom:
+        return None
+    fits = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in custom.items())]
+    offered = "; ".join(
+        f"node {n['NodeID'][:8]} ({n['NodeManagerAddress']}): "
+        + (
+            ", ".join(
+                f"{k} {v:g}" for k, v in sorted(n["Resources"].items()) if k not in _RAY_OWN and "_group_" not in k
+            )
+            or "none"
+        )
+        for n in nodes
+    )
+    if not fits:
+        return f"{key} asks for {custom}, which no node of the cluster offers (custom resources: {offered})"
+    if strategy == "STRICT_SPREAD" and len(fits) < count:
+        return f"{key} with STRICT_SPREAD needs {count} nodes offering {custom}; {len(fits)} do ({offered})"
+    return None
+
+
+_RAY_OWN = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def learner_placement(cfg: JobConfig, num_cpus: float, num_gpus: int) -> tuple[list[dict], str]:
+    """Ray options of each learner rank and rank 0's node address (DeepSpeed's rendezvous). Several
+    ranks, or a `placement.learner` setting, take one placement group (a bundle per rank, with the
+    role's resources); a single rank without one is placed as any actor, on 127.0.0.1's rendezvous."""
+    where, n = cfg.placement.learner, cfg.learner.num_ranks
+    bundle = {"CPU": num_cpus, **({"GPU": float(num_gpus)} if num_gpus else {}), **where.resources}
+    if n == 1 and not where.resources:
+        return [dict(num_cpus=num_cpus, num_gpus=num_gpus)], "127.0.0.1"
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    why = unplaceable("placement.learner.resources", bundle, n, where.strategy)
+    if why:
+        raise RunFailed(why)
+    group = placement_group([bundle] * n, strategy=where.strategy)
+    timeout = cfg.trainer.start_timeout_s
+    if not group.wait(timeout_seconds=timeout):
+        remove_placement_group(group)
+        raise RunFailed(
+            f"the cluster cannot place {n} learner rank(s) of {bundle} ({where.strategy}) within {timeout:.0f} s "
+            f"(trainer.start_timeout_s): another job holds the room, or too few nodes"
+        )
+    node = placement_group_table(group)["bundles_to_node_id"][0]
+    address = next(x["NodeManagerAddress"] for x in ray.nodes() if x["NodeID"] == node)
+    pinned = {"resources": where.resources} if where.resources else {}
+    options = [
+        dict(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            **pinned,
+        )
+        for i in range(n)
+    ]
+    return options, address
 
 
 def learner_gpus(cfg: JobConfig) -> int:
@@ -147,3 +215,42 @@ def open_shared_weights(cfg: JobConfig, policies: dict) -> None:
                 f"trainer.weight_sync=shared_memory for policy '{name}': {why} "
                 f"(use trainer.weight_sync=auto or object_store)"
             )
+
+
+def placement_report(policies: dict, weight_sync: str) -> dict:
+    """Where a run's actors landed: per policy each learner rank's and rollout worker's node id,
+    each node's address and custom resources, and the weight-sync strategy that follows from it
+    (written to the run dir's placement.json)."""
+    nodes = {
+        n["NodeID"]: {
+            "address": n["NodeManagerAddress"],
+            "resources": {k: v for k, v in n["Resources"].items() if k not in _RAY_OWN and "_group_" not in k},
+        }
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
+    roles = {
+        name: {
+            "learner": ray.get([l.node_id.remote() for l in p.learners]),
+            "rollout": ray.get([w.node_id.remote() for w in p.workers]),
+        }
+        for name, p in policies.items()
+    }
+    return {"policies": roles, "nodes": nodes, "weight_sync": weight_sync}
+
+
+def placement_groups_of(options: list[dict]) -> list:
+    """The placement groups that actor `options` schedule into (each once)."""
+    groups = [getattr(o.get("scheduling_strategy"), "placement_group", None) for o in options]
+    return list({id(g): g for g in groups if g is not None}.values())
+
+
+def release_placement_groups(groups: list) -> None:
+    """Remove a run's placement groups (their actors end with them); a group already gone is skipped."""
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - removed already, or the cluster is gone
+            pass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,14 @@ from rlsys.cluster import free_port
 from rlsys.config import JobConfig
 from rlsys.contract import Algorithm, policy_names
 from rlsys.errors import LearnerFailed, RunFailed
-from rlsys.placement import learner_gpus, rollout_actor_options, vllm_options
+from rlsys.placement import (
+    learner_gpus,
+    learner_placement,
+    placement_groups_of,
+    release_placement_groups,
+    rollout_actor_options,
+    vllm_options,
+)
 from rlsys.reward_source import start_reward_actor
 from rlsys.run.context import PolicyActors
 
@@ -31,6 +38,7 @@ class RunActors:
     reference: object
     reward: object
     buffer: object
+    groups: list = field(default_factory=list)  # the placement groups the learner ranks or vLLM engines hold
 
     def all(self) -> list:
         return [
@@ -65,7 +73,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
             )
         )
 
-    def learner(rank, world_size, port, **placement):
+    def learner(rank, world_size, port, master_addr="127.0.0.1", **placement):
         return (
             ray.remote(Learner)
             .options(**placement)
@@ -82,6 +90,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
                 threads=l.threads,
                 rank=rank,
                 world_size=world_size,
+                master_addr=master_addr,
                 master_port=port,
                 seed=cfg.run.seed,
                 bf16=l.bf16,
@@ -91,10 +100,12 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
 
     port = free_port()
     names = policy_names(algorithm)
+    workers = rollout_actor_options(cfg)
+    ranks, master_addr = learner_placement(cfg, num_cpus=0.5, num_gpus=learner_gpus(cfg))
     policies = {
         names[0]: PolicyActors(
-            [worker(i, **placement) for i, placement in enumerate(rollout_actor_options(cfg))],
-            [learner(rank, l.num_ranks, port, num_cpus=0.5, num_gpus=learner_gpus(cfg)) for rank in range(l.num_ranks)],
+            [worker(i, **placement) for i, placement in enumerate(workers)],
+            [learner(rank, l.num_ranks, port, master_addr, **ranks[rank]) for rank in range(l.num_ranks)],
         )
     }
     # further policies (CDG's per-role copies): one CPU rollout worker and one learner rank each, all
@@ -108,6 +119,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
         buffer=ray.remote(ExperienceBuffer)
         .options(num_cpus=0.1)
         .remote(cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed),
+        groups=placement_groups_of([*workers, *ranks]),
     )
     try:
         started(
@@ -118,6 +130,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
     except RunFailed:
         for actor in run.all():
             ray.kill(actor)
+        release_placement_groups(run.groups)
         raise
     return run
 

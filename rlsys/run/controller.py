@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F4
 from rlsys.evaluators import AttachedEvaluators, write_cluster_info
 from rlsys.generation import GenerationRequest
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
+from rlsys.placement import placement_report, release_placement_groups
 from rlsys.prompts import prompt_ids
 from rlsys.run import checkpointing, loop
 from rlsys.run.actors import Learners, start_actors
@@ -124,6 +126,7 @@ class Controller:
             else None
         )  # DA-KD: trained or checked before any actor
         actors = start_actors(cfg, self.algorithm, self.policy_dir, self.task)
+        self.release_groups = weakref.finalize(self, release_placement_groups, actors.groups)  # with the last handle
         self.policies, self.reference, self.reward, self.buffer = (
             actors.policies,
             actors.reference,
@@ -136,6 +139,8 @@ class Controller:
         except Exception:
             self._kill(actors.all())
             raise
+        report = placement_report(self.policies, type(self.weights).__name__)  # where each actor landed
+        (self.run_dir / "placement.json").write_text(json.dumps(report, indent=1))
         self.ctx = ActorContext(
             cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward, self.weights, cfg.run.seed
         )
@@ -160,6 +165,7 @@ class Controller:
     def shutdown(self) -> None:
         """Kill the run's actors (tests that start a second controller)."""
         self.weights.close()
+        self.release_groups()
         self._kill(
             [
                 self.reference,
