@@ -70,19 +70,22 @@ def test_a_non_loopback_address_gets_token_auth_or_a_one_line_error(tmp_path, mo
         token_auth_off_loopback("10.1.2.3:8265")
 
 
-@pytest.fixture(scope="module")
-def head_node():
-    temp = Path(f"/tmp/rlsys-test-head-{os.getpid()}")
+def cluster_env(temp: Path) -> dict:
+    """The environment of a `ray start` cluster's processes and its clients: token auth with a
+    fresh token in `temp`, the venv's bin first on PATH, no inherited RAY_ADDRESS."""
     temp.mkdir(parents=True, exist_ok=True)
     token = temp / "auth_token"
     token.write_text(secrets.token_hex(32))
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(token),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def head_node():
+    temp = Path(f"/tmp/rlsys-test-head-{os.getpid()}")
+    env = cluster_env(temp)
     dash = free_port()
     ray_bin = str(Path(sys.executable).parent / "ray")
     # The dashboard listens on every interface (token auth on) so a test can reach it off loopback.

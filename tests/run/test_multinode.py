@@ -6,7 +6,6 @@ at rank 0's node; a placement no node can satisfy ends the run in one line namin
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from fakes import TINY_JOB
-from test_jobs import free_port
+from test_jobs import cluster_env, free_port
 
 from rlsys.tracking import read_jsonl
 
@@ -28,12 +27,7 @@ NODES = {"node_a": 2, "node_b": 2}  # name -> logical CPUs; each offers {name: 4
 def cluster():
     """(GCS address, environment with the token) of a head and two worker nodes; torn down after."""
     temp = Path(f"/tmp/rlsys-test-nodes-{os.getpid()}")
-    temp.mkdir(parents=True, exist_ok=True)
-    token = temp / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    env.pop("RAY_ADDRESS", None)
+    env = cluster_env(temp)
     ray_bin, gcs = str(Path(sys.executable).parent / "ray"), f"127.0.0.1:{free_port()}"
 
     def ports():  # every node on one machine needs its own (Ray's defaults would collide)

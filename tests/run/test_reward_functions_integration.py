@@ -6,6 +6,7 @@ every row stops the run with one line."""
 import json
 
 import pytest
+from fakes import TINY_JOB
 
 from rlsys.config import load_config
 from rlsys.errors import RunFailed
@@ -13,14 +14,8 @@ from rlsys.errors import RunFailed
 pytestmark = pytest.mark.integration
 
 TINY = [
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "task.num_train=200",
+    *TINY_JOB,
     "task.num_eval=8",
-    "task.max_value=9",
-    "sft.steps=5",
-    "trainer.prompts_per_step=4",
     "trainer.eval_every=0",
     "rollout.max_new_tokens=4",
     "algorithm.group_size=4",
