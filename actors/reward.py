@@ -86,7 +86,7 @@ class RewardWorker:
         if self.scorer is None:
             return [float(self.task.reward(meta, text)) for meta, text in zip(metas, texts)]
         outcomes = self.scorer.run([self.task.prompt_text(m) for m in metas], texts, metas)
-        return [self.scorer.on_error if o.error is not None else o.reward for o in outcomes]
+        return [self.scorer.scored(o).reward for o in outcomes]
 
     @torch.no_grad()
     def _model_scores(self, table: pa.Table, batch_size: int = 32) -> list[float]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlsys.weight_digest import tensor_hash
+from rlsys.weight_digest import first_mismatch, tensor_hash
 
 SHM_DIR = Path("/dev/shm")
 SLOTS = 2
@@ -164,11 +164,8 @@ class SharedWeights:
 
     def verify(self, slot: int) -> str | None:
         """The first tensor of `slot` whose bytes differ from the checksum its writer stored, or None."""
-        views, stored = self.arrays(slot), self._stored_digest(slot)
-        for (name, *_), h in zip(self.layout.entries, stored.tolist()):
-            if tensor_hash(views[name]) != h:
-                return name
-        return None
+        stored = dict(zip((name for name, *_ in self.layout.entries), self._stored_digest(slot).tolist()))
+        return first_mismatch(stored, self.arrays(slot))
 
     def write(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
         """Copy `tensors` (by layout name; any device, cast to the layout's dtype) into `slot`,

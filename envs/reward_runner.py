@@ -352,7 +352,11 @@ class RewardScorer:
             )
         self.window.append((len(failed), len(outcomes)))
         self._check_window()
-        return [o._replace(reward=self.on_error) if o.error is not None else o for o in outcomes]
+        return [self.scored(o) for o in outcomes]
+
+    def scored(self, outcome: Outcome) -> Outcome:
+        """The outcome with `on_error` as the reward of a row that failed."""
+        return outcome._replace(reward=self.on_error) if outcome.error is not None else outcome
 
     def _check_window(self) -> None:
         failed, total = (sum(x) for x in zip(*self.window))

@@ -57,29 +57,27 @@ def rollout_actor_options(cfg: JobConfig) -> list[dict]:
 def unplaceable(key: str, bundle: dict[str, float], count: int, strategy: str = "PACK") -> str | None:
     """Why `count` actors asking for `bundle` can never be placed on the cluster's alive nodes
     (None: they can, once there is room): names the resource missing on which nodes."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+    custom = custom_resources_of(bundle)
     if not custom:
         return None
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
     fits = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in custom.items())]
+    if len(fits) >= (count if strategy == "STRICT_SPREAD" else 1):
+        return None
     offered = "; ".join(
         f"node {n['NodeID'][:8]} ({n['NodeManagerAddress']}): "
-        + (
-            ", ".join(
-                f"{k} {v:g}" for k, v in sorted(n["Resources"].items()) if k not in _RAY_OWN and "_group_" not in k
-            )
-            or "none"
-        )
+        + (", ".join(f"{k} {v:g}" for k, v in sorted(custom_resources_of(n["Resources"]).items())) or "none")
         for n in nodes
     )
     if not fits:
         return f"{key} asks for {custom}, which no node of the cluster offers (custom resources: {offered})"
-    if strategy == "STRICT_SPREAD" and len(fits) < count:
-        return f"{key} with STRICT_SPREAD needs {count} nodes offering {custom}; {len(fits)} do ({offered})"
-    return None
+    return f"{key} with STRICT_SPREAD needs {count} nodes offering {custom}; {len(fits)} do ({offered})"
 
 
-_RAY_OWN = ("CPU", "GPU", "memory", "object_store_memory")
+def custom_resources_of(resources: dict[str, float]) -> dict[str, float]:
+    """The custom resources among a node's or a bundle's (not CPU, GPU, memory or placement-group ones)."""
+    own = ("CPU", "GPU", "memory", "object_store_memory")
+    return {k: v for k, v in resources.items() if k not in own and "_group_" not in k}
 
 
 def learner_placement(cfg: JobConfig, num_cpus: float, num_gpus: int) -> tuple[list[dict], str]:
@@ -224,7 +222,7 @@ def placement_report(policies: dict, weight_sync: str) -> dict:
     nodes = {
         n["NodeID"]: {
             "address": n["NodeManagerAddress"],
-            "resources": {k: v for k, v in n["Resources"].items() if k not in _RAY_OWN and "_group_" not in k},
+            "resources": custom_resources_of(n["Resources"]),
         }
         for n in ray.nodes()
         if n.get("Alive")

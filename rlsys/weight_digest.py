@@ -1,6 +1,6 @@
 """Checksums of synced weights: xxh3-64 of each tensor's bytes, taken by the sender on what it
-sends and by the receiver on what it received, before it generates with them
-(`trainer.sync_checksum`). The object store carries the learner's digest beside the weights,
+sends and by the receiver on what it received, before it generates with them (every
+sync, in every mode). The object store carries the learner's digest beside the weights,
 the shared-memory file keeps one per slot, the broadcast group sends one after the tensors.
 xxh3 hashes ~10 GB/s a core: a 0.5B-parameter fp32 policy costs ~0.2 s a sync on each side."""
 
