@@ -1,15 +1,17 @@
 """Privacy side module: the vocabulary-matching hidden-state inversion attack and Cascade,
-a token-sharded forward pass whose parties each see too few rows for that attack.
+a token-sharded forward pass in which each party holds the rows of one or two shards of
+positions, never the whole prompt.
 
 - `decoder`: a Llama-family forward (Llama, Qwen2, Qwen3, Mistral, Phi-3) as pure functions on
   plain tensors, attention as exactly merged partial blocks (log-sum-exp).
-- `attack`: views (plain, row/entry-permuted, one party's rows) and the attack on them.
+- `attack`: views (plain, row/entry-permuted, one party's hidden states or keys/values/queries)
+  and the attack on them.
 - `cascade`: (c, delta)-sharding and the sharded forward, parties in-process or Ray actors.
 - `cli`: `rlsys privacy attack`.
 """
 
 from .attack import AttackConfig, AttackResult, View, permuted_view, plain_view, vocab_matching_attack
-from .cascade import CascadeOutput, attention_pairs, c_delta_shards, cascade_forward
+from .cascade import CascadeOutput, attention_pairs, attention_party_views, c_delta_shards, cascade_forward
 from .decoder import DecoderWeights, hidden_states, plain_logits
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "DecoderWeights",
     "View",
     "attention_pairs",
+    "attention_party_views",
     "c_delta_shards",
     "cascade_forward",
     "hidden_states",

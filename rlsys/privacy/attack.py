@@ -16,23 +16,34 @@ Permutation defences change what y_i is compared with:
           the matched row is removed
     (V3)  entries of each row permuted:          d(h, y) = ||sort(h) - sort(y)||_1
 
-A view that observes only some positions (one Cascade compute party) leaves the others
-unverifiable: there the attacker can only take the proposal's top token, and an observed
-position after such a gap is compared under a guessed prefix. With no candidate under
-epsilon after the budget, the attacker keeps the nearest candidate it tried.
+What is observed can be the hidden state itself (a plain server, a Cascade compute party) or a
+token-local projection of it: the keys and values, or the queries, of one decoder layer (a
+Cascade attention party). Those are functions of hidden state l at the same position (norm,
+projection, RoPE at that position), so a candidate's are computed the same way as its hidden
+state, and (V1) compares them instead. At layer 0 they depend on the token and its position
+alone, so no prefix is needed there.
+
+A view that observes only some positions (one Cascade party) leaves the others unverifiable:
+there the attacker can only take the proposal's top token, and an observed position after such
+a gap is compared under a guessed prefix. With no candidate under epsilon after the budget, the
+attacker keeps the nearest candidate it tried. An observer with several views of one prompt (an
+attention party's keys/values of one shard and queries of another) is attacked in one pass: each
+position is compared with the first view that observes it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .decoder import DecoderWeights, PrefixCache, append_token, candidate_step
+from .decoder import DecoderWeights, PrefixCache, append_token, candidate_step, head_rows, key_value_rows, project_qkv
 
 PROPOSALS = ("model", "vocab")
+OBSERVABLES = ("hidden", "keys_values", "queries")
 
 
 @dataclass
@@ -41,13 +52,21 @@ class View:
 
     `positions[r]` is the prompt position of row r when the observer knows it (plain view,
     a Cascade party); None when the rows arrive in an unknown order (row permutation).
-    `dims_permuted`: each row's entries were shuffled by an unknown permutation."""
+    `dims_permuted`: each row's entries were shuffled by an unknown permutation.
+    `observable`: what a row is. "hidden": hidden state number `layer` (0..n_layers), as
+    transformers indexes them; "keys_values": decoder layer `layer`'s (0..n_layers-1) keys then
+    values, heads flattened (`key_value_rows`); "queries": that layer's queries (`head_rows`)."""
 
     states: Tensor
     n_tokens: int
     layer: int
     positions: Tensor | None
     dims_permuted: bool = False
+    observable: str = "hidden"
+
+    def __post_init__(self):
+        if self.observable not in OBSERVABLES:
+            raise ValueError(f"observable={self.observable!r}: expected one of {', '.join(OBSERVABLES)}")
 
 
 @dataclass
@@ -79,13 +98,14 @@ class AttackConfig:
 @dataclass
 class AttackResult:
     """Recovered tokens, which passed the threshold (V1), the distance of each (nan where the
-    position was unobserved), candidates evaluated in all, wall time and the epsilon used."""
+    position was unobserved), candidates evaluated in all, wall time and the epsilon used for
+    each view attacked."""
 
     tokens: list[int]
     matched: list[bool]
     candidates: int
     seconds: float
-    epsilon: float
+    epsilons: list[float]
     distances: list[float]
 
     def recovery(self, truth: Tensor | list[int]) -> float:
@@ -114,7 +134,7 @@ def permuted_view(view: View, rows: bool, dims: bool, generator: torch.Generator
     if dims:
         perms = torch.stack([torch.randperm(states.shape[1], generator=generator) for _ in range(states.shape[0])])
         states = torch.gather(states, 1, perms)
-    return View(states, view.n_tokens, view.layer, positions, view.dims_permuted or dims)
+    return View(states, view.n_tokens, view.layer, positions, view.dims_permuted or dims, view.observable)
 
 
 def l1_distances(candidates: Tensor, targets: Tensor, sort_entries: bool) -> Tensor:
@@ -140,6 +160,24 @@ def default_epsilon(view: View, rel_epsilon: float) -> float:
     return rel_epsilon * view.states.abs().sum(-1).mean().item()
 
 
+def check_layer(w: DecoderWeights, view: View) -> None:
+    """Hidden states run 0..n_layers; keys, values and queries exist for layers 0..n_layers-1."""
+    top = w.n_layers if view.observable == "hidden" else w.n_layers - 1
+    if not 0 <= view.layer <= top:
+        raise ValueError(f"layer={view.layer}: {view.observable} exist for 0..{top} in this model")
+
+
+def candidate_observations(w: DecoderWeights, cache: PrefixCache, tokens: Tensor, view: View) -> Tensor:
+    """What `view`'s observer would hold for each candidate token [B] at the position after the
+    cached prefix, one row each [B, F]: hidden state `view.layer`, or the keys/values or queries
+    that layer projects from it (at that position's RoPE angle)."""
+    state, _ = candidate_step(w, cache, tokens, view.layer)
+    if view.observable == "hidden":
+        return state
+    q, k, v = project_qkv(w, w.layers[view.layer], state[:, None], torch.tensor([cache.length]))
+    return head_rows(q) if view.observable == "queries" else key_value_rows(k, v)
+
+
 def _targets(view: View, position: int, unmatched: list[int]) -> list[int]:
     """Rows position `position` may be matched to: its own row if observed, every unmatched
     row when the order is hidden (V2)."""
@@ -148,25 +186,41 @@ def _targets(view: View, position: int, unmatched: list[int]) -> list[int]:
     return [r for r in unmatched if int(view.positions[r]) == position]
 
 
+def _observing(views: list[View], position: int, unmatched: list[list[int]]) -> tuple[int, list[int]]:
+    """The first view with rows `position` may be matched to, and those rows; (-1, []) if none."""
+    for k, view in enumerate(views):
+        rows = _targets(view, position, unmatched[k])
+        if rows:
+            return k, rows
+    return -1, []
+
+
 @torch.no_grad()
-def vocab_matching_attack(w: DecoderWeights, view: View, config: AttackConfig) -> AttackResult:
-    """Recover the prompt behind `view` position by position, (V1)-(V3)."""
+def vocab_matching_attack(w: DecoderWeights, view: View | Sequence[View], config: AttackConfig) -> AttackResult:
+    """Recover the prompt behind `view` position by position, (V1)-(V3). `view` may be a sequence
+    of views one observer holds of the same prompt; each position is matched against the first
+    of them that observes it."""
     start = time.perf_counter()
-    eps = config.epsilon if config.epsilon is not None else default_epsilon(view, config.rel_epsilon)
+    views = [view] if isinstance(view, View) else list(view)
+    if not views or len({v.n_tokens for v in views}) != 1:
+        raise ValueError("expected one or more views of the same prompt (equal n_tokens)")
+    for v in views:
+        check_layer(w, v)
+    eps = [config.epsilon if config.epsilon is not None else default_epsilon(v, config.rel_epsilon) for v in views]
     budget = min(config.budget or w.vocab_size, w.vocab_size)
     cache, logits = PrefixCache.empty(w), None
-    unmatched = list(range(view.states.shape[0]))
+    unmatched = [list(range(v.states.shape[0])) for v in views]
     tokens, matched, distances, tried = [], [], [], 0
-    for position in range(view.n_tokens):
+    for position in range(views[0].n_tokens):
         order = proposal_order(logits, w.vocab_size, config.proposal)
-        rows = _targets(view, position, unmatched)
+        k, rows = _observing(views, position, unmatched)
         if not rows:
             token, hit, dist = int(order[0]), False, float("nan")
         else:
-            token, hit, dist, row, n = _search(w, cache, view, rows, order[:budget], config.batch_size, eps)
+            token, hit, dist, row, n = _search(w, cache, views[k], rows, order[:budget], config.batch_size, eps[k])
             tried += n
             if hit:
-                unmatched.remove(row)
+                unmatched[k].remove(row)
         tokens.append(token)
         matched.append(hit)
         distances.append(dist)
@@ -181,9 +235,9 @@ def _search(w, cache, view, rows, order, batch_size, eps):
     best = (float("inf"), int(order[0]), rows[0])
     tried = 0
     for chunk in order.split(batch_size):
-        states, _ = candidate_step(w, cache, chunk, view.layer)
+        observed = candidate_observations(w, cache, chunk, view)
         tried += chunk.shape[0]
-        dist = l1_distances(states, targets, view.dims_permuted)
+        dist = l1_distances(observed, targets, view.dims_permuted)
         per_candidate, which_row = dist.min(dim=1)
         hits = (per_candidate < eps).nonzero()
         if hits.numel():

@@ -11,11 +11,13 @@ party and collects the logits. Pairs (i, j) where every key of S_j lies after ev
 S_i (fully masked) are never formed.
 
 Sharding. `c_delta_shards(n, c, delta)` gives each shard at most c positions spaced exactly
-delta apart (position p goes to block p // (c * delta), residue p mod delta), so no party sees
-two positions closer than delta: the vocab-matching attack on a party's rows must guess the
-delta - 1 tokens between them, V^(delta - 1) prefixes per step instead of V candidates.
-(This is our reading of the paper's c-delta sharding; the shard lists are an input, so any
-other scheme can be passed.)
+delta apart (position p goes to block p // (c * delta), residue p mod delta), so no compute
+party sees two positions closer than delta: the vocab-matching attack on its rows must guess the
+delta - 1 tokens between them, V^(delta - 1) prefixes per step instead of V candidates. An
+attention party (i, j) holds rows of two shards, queries of S_i and keys/values of S_j; when
+they share a block their positions interleave, one position apart. Every party holds layer 0,
+whose rows are a function of each token and its position alone. (This is our reading of the
+paper's c-delta sharding; the shard lists are an input, so any other scheme can be passed.)
 
 Backends: "local" runs the parties as plain objects in this process (unit tests); "ray" puts
 each party on a Ray actor (or spreads them over a capped number of actor processes). Tensors
@@ -35,6 +37,8 @@ from .attack import View
 from .decoder import (
     DecoderWeights,
     finish_layer,
+    head_rows,
+    key_value_rows,
     logits_of,
     merge_partials,
     output_state,
@@ -101,24 +105,34 @@ class ComputeParty:
 
 
 class AttentionParty:
-    """Attention block (i, j): queries of shard i against keys/values of shard j."""
+    """Attention block (i, j): queries of shard i against keys/values of shard j. `seen[l]`
+    records the (q, k, v) it was handed for layer l: exactly what this party sees."""
 
     def __init__(self, q_positions: list[int], k_positions: list[int]):
         self.q_pos = torch.tensor(q_positions)
         self.k_pos = torch.tensor(k_positions)
+        self.seen: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """(o_ij, lse_ij), Eqs. (A1)-(A3), from the queries of shard i and keys/values of shard j."""
+        """(o_ij, lse_ij), Eqs. (A1)-(A3), from the queries of shard i and keys/values of shard j
+        (called once per layer, in layer order)."""
+        self.seen.append((q, k, v))
         return partial_attention(q, k, v, self.q_pos, self.k_pos)
+
+    def views(self) -> list[tuple[Tensor, Tensor, Tensor]]:
+        return self.seen
 
 
 @dataclass
 class CascadeOutput:
-    """Logits [n, V] in prompt order, and per compute party its hidden states by layer."""
+    """Logits [n, V] in prompt order; per compute party its hidden states by layer; per
+    attention party (i, j) the (q of S_i, k of S_j, v of S_j) it was handed, by layer, each
+    [1, heads, shard size, head_dim]."""
 
     logits: Tensor
     shards: list[list[int]]
     views: list[list[Tensor]]
+    attention_views: dict[tuple[int, int], list[tuple[Tensor, Tensor, Tensor]]]
 
 
 class _Local:
@@ -218,14 +232,27 @@ def cascade_forward(
         run.get(acks)
         shard_logits = run.get([run.call(party, "logits") for party in compute])
         views = run.get([run.call(party, "views") for party in compute])
+        attention_views = run.get([run.call(attention[pair], "views") for pair in pairs])
     finally:
         run.close()
     logits = torch.empty(ids.shape[0], w.vocab_size)
     for s, lg in zip(shards, shard_logits):
         logits[torch.tensor(s)] = lg
-    return CascadeOutput(logits, shards, views)
+    return CascadeOutput(logits, shards, views, dict(zip(pairs, attention_views)))
 
 
 def party_view(out: CascadeOutput, party: int, layer: int) -> View:
     """What compute party `party` saw of hidden state `layer`: its rows, at known positions."""
     return View(out.views[party][layer], out.logits.shape[0], layer, torch.tensor(out.shards[party]))
+
+
+def attention_party_views(out: CascadeOutput, pair: tuple[int, int], layer: int) -> list[View]:
+    """What attention party (i, j) saw of decoder layer `layer`, as rows at known positions: the
+    keys/values of shard j, then the queries of shard i (for i = j, the same positions)."""
+    i, j = pair
+    q, k, v = out.attention_views[pair][layer]
+    n = out.logits.shape[0]
+    return [
+        View(key_value_rows(k, v), n, layer, torch.tensor(out.shards[j]), observable="keys_values"),
+        View(head_rows(q), n, layer, torch.tensor(out.shards[i]), observable="queries"),
+    ]

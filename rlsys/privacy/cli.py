@@ -1,6 +1,6 @@
 """`rlsys privacy attack [--model DIR] [--layer L] [--budget B] ...`: run the vocab-matching
-attack against a plain server's, a permuting server's and one Cascade party's view of the
-same prompts under one search budget, and print recovery rates. Without --model a tiny
+attack against a plain server's, a permuting server's and each kind of Cascade party's view of
+the same prompts under one search budget, and print recovery rates. Without --model a tiny
 random-init Qwen2 is built. Bad input is one line on stderr and exit code 2."""
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--c", type=int, default=2, help="Cascade: positions per compute party (default 2)")
     a.add_argument("--delta", type=int, default=3, help="Cascade: spacing of a party's positions (default 3)")
+    a.add_argument(
+        "--parties",
+        type=int,
+        help="Cascade: attack at most this many parties of each type per prompt, a seeded sample (default: all)",
+    )
     a.add_argument(
         "--backend", choices=BACKENDS, default="ray", help="Cascade parties as Ray actors (default) or in-process"
     )
@@ -120,10 +125,14 @@ def run(args: argparse.Namespace) -> str:
         raise ValueError(f"--layer {layer}: the model has hidden states 0..{model.config.num_hidden_layers}")
     if args.c < 1 or args.delta < 1:
         raise ValueError("--c and --delta must be >= 1")
+    if args.parties is not None and args.parties < 1:
+        raise ValueError("--parties must be >= 1")
     torch.set_num_threads(args.threads)
     ray = _init_ray() if args.backend == "ray" else None
     try:
-        ev = evaluate(model, prompts, layer, config, args.c, args.delta, args.backend, args.seed, args.hosts or None)
+        ev = evaluate(
+            model, prompts, layer, config, args.c, args.delta, args.backend, args.seed, args.hosts or None, args.parties
+        )
     finally:
         if ray is not None:
             ray.shutdown()

@@ -193,6 +193,17 @@ def project_qkv(w: DecoderWeights, layer: LayerWeights, h: Tensor, positions: Te
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def head_rows(x: Tensor) -> Tensor:
+    """Per-head tensors [B, H, n, hd] as one row per (batch, position): [B * n, H * hd]."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1] * x.shape[3])
+
+
+def key_value_rows(k: Tensor, v: Tensor) -> Tensor:
+    """Keys and values [B, H_kv, n, hd] as one row per (batch, position), keys then values:
+    [B * n, 2 * H_kv * hd]; what an attention party holds of each position of its key shard."""
+    return torch.cat([head_rows(k), head_rows(v)], dim=-1)
+
+
 def partial_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
     """One attention block, Eqs. (A1)-(A3): queries q [B, H, nq, hd] at positions q_pos
     against keys/values [B, H_kv, nk, hd] at k_pos, causal (key position <= query position).

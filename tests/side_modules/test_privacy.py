@@ -1,6 +1,7 @@
 """Privacy module: the attention merge, Cascade's sharded forward, and the vocab-matching
-attack on plain, permuted and Cascade-party views. Tiny random-init Qwen2 (the attack needs
-open weights, not a trained model); everything in-process (Ray parties: test_privacy_ray.py)."""
+attack on plain, permuted and Cascade-party views (compute parties' hidden states, attention
+parties' keys/values and queries). Tiny random-init Qwen2 (the attack needs open weights, not a
+trained model); everything in-process (Ray parties: test_privacy_ray.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,24 @@ import torch
 
 from rlsys.models import TinyModelSpec, build_tiny_model
 from rlsys.privacy import cli
-from rlsys.privacy.attack import AttackConfig, blind_view, permuted_view, plain_view, vocab_matching_attack
-from rlsys.privacy.cascade import attention_pairs, c_delta_shards, cascade_forward, check_shards, party_view
+from rlsys.privacy.attack import AttackConfig, View, blind_view, permuted_view, plain_view, vocab_matching_attack
+from rlsys.privacy.cascade import (
+    attention_pairs,
+    attention_party_views,
+    c_delta_shards,
+    cascade_forward,
+    check_shards,
+    party_view,
+)
 from rlsys.privacy.decoder import DecoderWeights, hidden_states, merge_partials, partial_attention, plain_logits
-from rlsys.privacy.evaluate import evaluate, random_prompts
+from rlsys.privacy.evaluate import (
+    COMPUTE_PARTY,
+    DIAGONAL_ATTENTION_PARTY,
+    OFF_DIAGONAL_ATTENTION_PARTY,
+    evaluate,
+    random_prompts,
+    sample_parties,
+)
 
 N = 16
 
@@ -200,6 +215,114 @@ def test_attack_on_one_cascade_party_falls_to_chance_under_the_same_budget(weigh
     assert (held_hits + unheld_hits) / (N * len(out.shards)) <= 2 / N + 0.02
 
 
+def _transformers_qkv(model, ids):
+    """Per layer, the queries, keys and values [1, heads, n, hd] transformers' own forward
+    computes: keys/values from its cache, queries from q_proj's output rotated by its RoPE."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    projected = []
+    hooks = [
+        layer.self_attn.q_proj.register_forward_hook(lambda module, args, out: projected.append(out))
+        for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            cache = model(ids[None], use_cache=True).cache
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n, head_dim = ids.shape[0], model.config.hidden_size // model.config.num_attention_heads
+    cos, sin = model.model.rotary_emb(projected[0], torch.arange(n)[None])
+    out = []
+    for layer, q in enumerate(projected):
+        q = q.view(1, n, -1, head_dim).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        out.append((q, cache.layers[layer].keys, cache.layers[layer].values))
+    return out
+
+
+def test_attention_party_views_are_what_the_forward_hands_each_party(model, weights, prompt):
+    """Every attention party (i, j) recorded, at every layer, the queries of S_i and the
+    keys/values of S_j that transformers computes; its views hold them as rows at those positions."""
+    out = cascade_forward(weights, prompt, c_delta_shards(N, 2, 3))
+    reference = _transformers_qkv(model, prompt)
+    assert sorted(out.attention_views) == sorted(attention_pairs(out.shards))
+    for (i, j), seen in out.attention_views.items():
+        assert len(seen) == weights.n_layers
+        qs, ks = torch.tensor(out.shards[i]), torch.tensor(out.shards[j])
+        for layer, (q, k, v) in enumerate(seen):
+            ref_q, ref_k, ref_v = reference[layer]
+            torch.testing.assert_close(q, ref_q[:, :, qs], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(k, ref_k[:, :, ks], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, ref_v[:, :, ks], atol=1e-5, rtol=1e-5)
+            kv_view, q_view = attention_party_views(out, (i, j), layer)
+            assert (kv_view.observable, q_view.observable) == ("keys_values", "queries")
+            assert kv_view.positions.tolist() == out.shards[j] and q_view.positions.tolist() == out.shards[i]
+            for row, p in enumerate(out.shards[j]):
+                expected = torch.cat([ref_k[0, :, p].reshape(-1), ref_v[0, :, p].reshape(-1)])
+                torch.testing.assert_close(kv_view.states[row], expected, atol=1e-5, rtol=1e-5)
+            for row, p in enumerate(out.shards[i]):
+                torch.testing.assert_close(q_view.states[row], ref_q[0, :, p].reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layer", [0, 2, 3])
+@pytest.mark.parametrize("which, observable", [(0, "keys_values"), (1, "queries")])
+def test_attack_recovers_every_token_from_unsharded_keys_values_or_queries(weights, prompt, layer, which, observable):
+    """One party holding every row (a single shard): matching candidates' K/V (or Q) projections
+    rebuilds the whole prompt, every token under epsilon."""
+    view = attention_party_views(cascade_forward(weights, prompt, [list(range(N))]), (0, 0), layer)[which]
+    assert view.observable == observable
+    result = vocab_matching_attack(weights, view, AttackConfig())
+    assert result.tokens == prompt.tolist()
+    assert all(result.matched)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_attack_on_one_attention_party_recovers_only_what_its_shards_allow(weights, prompt, layer):
+    """Attention party (i, j) holds the rows of S_i and S_j. At layer 0 a row depends on its token
+    and position alone, so every held token is matched exactly; deeper, a held token is matched
+    exactly iff every token before it was recovered (the sharding leaves gaps, so mostly only
+    where the positions before it are held too). Tokens of positions it holds no row of: chance."""
+    out = cascade_forward(weights, prompt, c_delta_shards(N, 2, 3))
+    truth = prompt.tolist()
+    config = AttackConfig(budget=weights.vocab_size)
+    unheld_hits = unheld = exact_with_gap = 0
+    for i, j in attention_pairs(out.shards):
+        held = set(out.shards[i]) | set(out.shards[j])
+        result = vocab_matching_attack(weights, attention_party_views(out, (i, j), layer), config)
+        assert result.candidates <= config.budget * len(held)  # the same per-position budget
+        for p in range(N):
+            if p not in held:
+                unheld_hits += result.tokens[p] == truth[p]
+                unheld += 1
+                assert not result.matched[p]
+            elif layer == 0:
+                assert result.matched[p] and result.tokens[p] == truth[p]
+            else:
+                assert result.matched[p] == (result.tokens[:p] == truth[:p])
+                assert result.tokens[p] == truth[p] or not result.matched[p]
+                exact_with_gap += result.matched[p] and not set(range(p)) <= held
+    assert unheld_hits / unheld <= 0.02  # chance is 1/V; allow a couple of flukes
+    assert exact_with_gap <= 1  # past a gap, an exact match needs a lucky guess of the gap
+
+
+def test_attention_view_layers_and_kinds_are_checked(weights, prompt):
+    rows = torch.zeros(1, 2 * weights.n_kv_heads * weights.head_dim)
+    with pytest.raises(ValueError, match="keys_values exist for 0..3"):
+        vocab_matching_attack(
+            weights, View(rows, N, weights.n_layers, torch.tensor([0]), observable="keys_values"), AttackConfig()
+        )
+    with pytest.raises(ValueError, match="observable"):
+        View(rows, N, 0, torch.tensor([0]), observable="logits")
+
+
+def test_sample_parties_draws_distinct_parties_in_order():
+    parties = list(range(20))
+    picked = sample_parties(parties, 5, torch.Generator().manual_seed(0))
+    assert len(set(picked)) == 5 and picked == sorted(picked) and set(picked) <= set(parties)
+    assert sample_parties(parties, None, torch.Generator()) == parties
+
+
 def test_proposal_ordering_finds_the_models_own_text_first(weights):
     """Greedy text of the model is its own top proposal at every step: one candidate per
     position after the first, against about V/2 for vocabulary order."""
@@ -248,9 +371,18 @@ def test_evaluate_scores_every_view(model):
     ev = evaluate(model, random_prompts(1, 12, model.config.vocab_size, seed=2), 2, AttackConfig(), c=2, delta=3)
     scores = {s.view: s for s in ev.scores}
     for name in ("plain", "rows permuted", "entries permuted", "rows + entries permuted"):
-        assert scores[name].recovery == 1.0 and scores[name].matched == 1.0
-    assert scores["cascade: one compute party"].recovery <= 2 / 12 + 0.05
-    assert scores["cascade: one compute party"].attacks == ev.n_parties == len(c_delta_shards(12, 2, 3))
+        assert scores[name].recovery == 1.0 and scores[name].matched == 1.0 and scores[name].held_recovery == 1.0
+    shards = c_delta_shards(12, 2, 3)
+    pairs = attention_pairs(shards)
+    # a party learns about its own positions: c of them, or 2c for attention parties (i, j), i != j
+    for name, held, attacks in [
+        (COMPUTE_PARTY, 2, len(shards)),
+        (DIAGONAL_ATTENTION_PARTY, 2, len(shards)),
+        (OFF_DIAGONAL_ATTENTION_PARTY, 4, len(pairs) - len(shards)),
+    ]:
+        assert scores[name].recovery <= held / 12 + 0.05
+        assert scores[name].attacks == attacks
+    assert ev.n_parties == len(shards)
     assert ev.cascade_max_logit_diff < 1e-4
 
 
@@ -258,6 +390,7 @@ def test_cli_attack_prints_recovery_table(capsys):
     assert cli.main(["attack", "--backend", "local", "--prompts", "1", "--length", "8", "--layer", "1"]) == 0
     out = capsys.readouterr().out
     assert "| plain | 100.0% |" in out and "cascade: one compute party" in out
+    assert "cascade: one attention party (i = j)" in out and "cascade: one attention party (i != j)" in out
 
 
 @pytest.mark.parametrize(
@@ -266,6 +399,7 @@ def test_cli_attack_prints_recovery_table(capsys):
         ["attack", "--backend", "local", "--layer", "9"],
         ["attack", "--backend", "local", "--budget", "0"],
         ["attack", "--backend", "local", "--c", "0"],
+        ["attack", "--backend", "local", "--parties", "0"],
         ["attack", "--backend", "local", "--text", "hi"],
         ["attack", "--backend", "local", "--model", "/nonexistent"],
         ["nope"],

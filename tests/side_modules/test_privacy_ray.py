@@ -45,13 +45,20 @@ def setup():
     ids=["one-actor-per-party", "parties-on-2-actors"],
 )
 def test_ray_parties_reproduce_the_plain_model(ray_session, setup, shards, hosts):
-    """2 compute + 3 attention parties on their own actors; 4 + 12 parties on 2 actors."""
+    """2 compute + 3 attention parties on their own actors; 4 + 12 parties on 2 actors. The
+    attention parties' recorded (q, k, v) come back equal to the in-process forward's."""
     w, ids, hf = setup
     out = cascade_forward(w, ids, shards, backend="ray", hosts=hosts)
     torch.testing.assert_close(out.logits, hf.logits[0], atol=1e-5, rtol=1e-5)
     for s, seen in zip(out.shards, out.views):
         for layer, rows in enumerate(seen):
             torch.testing.assert_close(rows, hf.hidden_states[layer][0][torch.tensor(s)], atol=1e-5, rtol=1e-5)
+    local = cascade_forward(w, ids, shards)
+    assert sorted(out.attention_views) == sorted(local.attention_views)
+    for pair, seen in local.attention_views.items():
+        for got, want in zip(out.attention_views[pair], seen):
+            for x, y in zip(got, want):
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
 
 def test_ray_hosts_must_be_positive(setup, ray_session):
