@@ -447,12 +447,29 @@ class RolloutPlacement(Section):
     _custom = field_validator("resources")(lambda v: custom_resources(v))
 
 
+class ServicesPlacement(Section):
+    """Where the run's services go: the reference, the reward source, the experience buffer, a
+    distillation teacher and the attached evaluators (actors a run does not recreate: a node lost
+    under them ends the run)."""
+
+    resources: dict[str, float] = Field(
+        {},
+        description="custom Ray resources each service actor asks for (reference, reward and buffer: 3 x these, "
+        "plus a teacher and each attached evaluator): keeps them on nodes that have them (e.g. off nodes that may be "
+        "preempted); {} anywhere",
+    )
+
+    _custom = field_validator("resources")(lambda v: custom_resources(v))
+
+
 class PlacementConfig(Section):
-    """Which nodes of a multi-node Ray cluster each role runs on (the reference, reward and buffer
-    actors go where Ray finds room)."""
+    """Which nodes of a multi-node Ray cluster each role runs on."""
 
     learner: LearnerPlacement = Field(LearnerPlacement(), description="the learner ranks")
     rollout: RolloutPlacement = Field(RolloutPlacement(), description="the rollout workers")
+    services: ServicesPlacement = Field(
+        ServicesPlacement(), description="the reference, reward, buffer, teacher and evaluator actors"
+    )
 
 
 class SandboxConfig(Section):

@@ -278,14 +278,21 @@ class AttachedEvaluators:
     """The controller's side: the registry actor, one EvaluatorWorker per attached spec and
     the evaluations in flight. `poll` is the bounded hand-off done at each step boundary."""
 
-    def __init__(self, run_name: str):
-        """The registry, up from start-up on, so specs can be attached while the run warms up."""
+    def __init__(self, run_name: str, resources: dict | None = None):
+        """The registry, up from start-up on, so specs can be attached while the run warms up.
+        `resources`: the custom Ray resources the evaluators ask for (placement.services)."""
         import ray
 
         name = registry_name(run_name)
         _drop_stale_registry(name, run_name)
-        self.registry = (
-            ray.remote(EvalRegistry).options(name=name, namespace=NAMESPACE, num_cpus=0).remote([], os.getpid())
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.pinned = {"resources": resources} if resources else {}
+        beside_driver = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.registry = (  # bookkeeping only: on the controller's node, which the run cannot outlive anyway
+            ray.remote(EvalRegistry)
+            .options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=beside_driver)
+            .remote([], os.getpid())
         )
         self.active: dict[str, tuple[dict, object]] = {}  # name -> (spec, worker actor)
         self.pending: list[tuple[str, int, object]] = []  # (name, step, future)
@@ -313,7 +320,7 @@ class AttachedEvaluators:
             if name not in self.active:
                 actor = (
                     ray.remote(EvaluatorWorker)
-                    .options(num_cpus=0.25)
+                    .options(num_cpus=0.25, **self.pinned)
                     .remote(self.policy_dir, spec, self.task, self.max_new_tokens)
                 )
                 self.active[name] = (spec, actor)

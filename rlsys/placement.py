@@ -54,6 +54,16 @@ def rollout_actor_options(cfg: JobConfig) -> list[dict]:
     ]
 
 
+def service_options(cfg: JobConfig, num_cpus: float) -> dict:
+    """Ray options of a service actor (reference, reward, buffer, teacher): its CPU share and the
+    `placement.services` resources; RunFailed in one line when no node offers them."""
+    resources = cfg.placement.services.resources
+    why = unplaceable("placement.services.resources", resources, 1)
+    if why:
+        raise RunFailed(why)
+    return dict(num_cpus=num_cpus, **({"resources": resources} if resources else {}))
+
+
 def unplaceable(key: str, bundle: dict[str, float], count: int, strategy: str = "PACK") -> str | None:
     """Why `count` actors asking for `bundle` can never be placed on the cluster's alive nodes
     (None: they can, once there is room): names the resource missing on which nodes."""
@@ -75,9 +85,10 @@ def unplaceable(key: str, bundle: dict[str, float], count: int, strategy: str = 
 
 
 def custom_resources_of(resources: dict[str, float]) -> dict[str, float]:
-    """The custom resources among a node's or a bundle's (not CPU, GPU, memory or placement-group ones)."""
+    """The custom resources among a node's or a bundle's (not CPU, GPU, memory, the node's own
+    `node:<ip>` or placement-group ones)."""
     own = ("CPU", "GPU", "memory", "object_store_memory")
-    return {k: v for k, v in resources.items() if k not in own and "_group_" not in k}
+    return {k: v for k, v in resources.items() if k not in own and "_group_" not in k and not k.startswith("node:")}
 
 
 def learner_placement(cfg: JobConfig, num_cpus: float, num_gpus: int) -> tuple[list[dict], str]:
@@ -215,10 +226,10 @@ def open_shared_weights(cfg: JobConfig, policies: dict) -> None:
             )
 
 
-def placement_report(policies: dict, weight_sync: str) -> dict:
+def placement_report(policies: dict, services: dict, weight_sync: str) -> dict:
     """Where a run's actors landed: per policy each learner rank's and rollout worker's node id,
-    each node's address and custom resources, and the weight-sync strategy that follows from it
-    (written to the run dir's placement.json)."""
+    each service actor's (name -> actor) node id, each node's address and custom resources, and
+    the weight-sync strategy that follows from it (written to the run dir's placement.json)."""
     nodes = {
         n["NodeID"]: {
             "address": n["NodeManagerAddress"],
@@ -234,7 +245,10 @@ def placement_report(policies: dict, weight_sync: str) -> dict:
         }
         for name, p in policies.items()
     }
-    return {"policies": roles, "nodes": nodes, "weight_sync": weight_sync}
+    where = ray.get(
+        [a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for a in services.values()]
+    )
+    return {"policies": roles, "services": dict(zip(services, where)), "nodes": nodes, "weight_sync": weight_sync}
 
 
 def placement_groups_of(options: list[dict]) -> list:
@@ -247,6 +261,8 @@ def release_placement_groups(groups: list) -> None:
     """Remove a run's placement groups (their actors end with them); a group already gone is skipped."""
     from ray.util.placement_group import remove_placement_group
 
+    if not ray.is_initialized():  # at exit after Ray shut down: its groups went with it (no auto-init)
+        return
     for group in groups:
         try:
             remove_placement_group(group)

@@ -35,29 +35,34 @@ def judge_options(reward_cfg, seed: int) -> dict:
     )
 
 
-def start_reward_actor(reward_cfg, policy_dir: Path, task, seed: int = 0, sandbox_cfg=None):
+def start_reward_actor(reward_cfg, policy_dir: Path, task, seed: int = 0, sandbox_cfg=None, resources=None):
     """The Ray actor behind `ctx.score`. `sandbox_cfg`: where reward.function `code` runs the tests
-    (None: the task's sandbox settings, else the defaults)."""
+    (None: the task's sandbox settings, else the defaults); `resources`: the custom Ray resources
+    it asks for (placement.services)."""
     import ray
 
     from actors.reward import RewardWorker  # floor module: actor code loads only where the actor starts
+
+    pinned = {"resources": resources} if resources else {}
 
     if reward_cfg.source in ("rule", "http"):
         from envs.reward_runner import build_scorer  # as above: the reward functions load only where they run
 
         scorer = build_scorer(reward_cfg, task, sandbox_cfg)
-        return ray.remote(RewardWorker).options(num_cpus=0.1).remote(str(policy_dir), task=task, scorer=scorer)
+        return (
+            ray.remote(RewardWorker).options(num_cpus=0.1, **pinned).remote(str(policy_dir), task=task, scorer=scorer)
+        )
     if reward_cfg.source == "model":
         return (
             ray.remote(RewardWorker)
-            .options(num_cpus=0.1)
+            .options(num_cpus=0.1, **pinned)
             .remote(str(policy_dir), reward_model_dir=str(reward_cfg.model_dir))
         )
     from actors.judge import JudgeWorker  # as above
 
     return (
         ray.remote(JudgeWorker)
-        .options(num_cpus=0.25)
+        .options(num_cpus=0.25, **pinned)
         .remote(
             str(reward_cfg.judge_dir or policy_dir),
             tokenizer_dir=str(policy_dir),

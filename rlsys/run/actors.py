@@ -23,6 +23,7 @@ from rlsys.placement import (
     placement_groups_of,
     release_placement_groups,
     rollout_actor_options,
+    service_options,
     vllm_options,
 )
 from rlsys.reward_source import start_reward_actor
@@ -39,6 +40,10 @@ class RunActors:
     reward: object
     buffer: object
     groups: list = field(default_factory=list)  # the placement groups the learner ranks or vLLM engines hold
+
+    @property
+    def services(self) -> dict:
+        return {"reference": self.reference, "reward": self.reward, "buffer": self.buffer}
 
     def all(self) -> list:
         return [
@@ -114,10 +119,14 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
         policies[name] = PolicyActors([worker(0, num_cpus=0.1)], [learner(0, 1, free_port(), num_cpus=0.1)])
     run = RunActors(
         policies,
-        reference=ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(policy_dir), temperature),
-        reward=start_reward_actor(cfg.reward, policy_dir, task, cfg.run.seed, cfg.sandbox),
+        reference=ray.remote(ReferenceWorker)
+        .options(**service_options(cfg, 0.25))
+        .remote(str(policy_dir), temperature),
+        reward=start_reward_actor(
+            cfg.reward, policy_dir, task, cfg.run.seed, cfg.sandbox, cfg.placement.services.resources
+        ),
         buffer=ray.remote(ExperienceBuffer)
-        .options(num_cpus=0.1)
+        .options(**service_options(cfg, 0.1))
         .remote(cfg.buffer.capacity, cfg.buffer.max_staleness, cfg.run.seed),
         groups=placement_groups_of([*workers, *ranks]),
     )
@@ -171,6 +180,15 @@ class Learners:
         self.policies, self.run_dir = policies, Path(run_dir)
         self.main_policy = next(iter(policies))
         self.step = 1  # the step being trained, for the error line
+        self.nodes: list[str] = []  # the node each rank of the run's policy runs on, for the error line
+
+    def record_placement(self, report: dict) -> None:
+        """Each rank's node from a placement report (placement.json), named as the error line names it."""
+        nodes = report["nodes"]
+        for node in report["policies"][self.main_policy]["learner"]:
+            info = nodes.get(node, {"address": "?", "resources": {}})
+            resources = ", ".join(f"{k} {v:g}" for k, v in sorted(info["resources"].items()))
+            self.nodes.append(f"node {node[:8]} ({info['address']}{'; ' + resources if resources else ''})")
 
     def train(self, batches: dict, version: int, weights, step: int) -> dict[str, list]:
         """Each policy's batch to its ranks, not awaited, for trainer step `step`; `weights` says
@@ -212,10 +230,17 @@ class Learners:
                 else "no checkpoint was written yet (set trainer.checkpoint_every)"
             )
             cause = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            where = "".join(f" on {self.nodes[r]}{lost_or_not(self.nodes[r])}" for r in dead[:1] if r < len(self.nodes))
             raise LearnerFailed(
                 f"learner rank {', '.join(map(str, dead)) or '?'} of {len(learners)} died during "
-                f"step {self.step} ({cause}); the run stopped: {resume}"
+                f"step {self.step}{where} ({cause}); the run stopped: {resume}"
             ) from None
+
+
+def lost_or_not(node: str) -> str:
+    """The error line's clause for a node (named "node <id[:8]> ...") that is no longer alive; "" for one that is."""
+    alive = {n["NodeID"][:8] for n in ray.nodes() if n.get("Alive")}
+    return "" if node.split()[1] in alive else ", which the cluster lost"
 
 
 def rank_means(rank_metrics: list[dict]) -> dict[str, float]:

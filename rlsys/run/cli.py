@@ -271,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def stop_ray() -> None:
+    """Disconnect from Ray if this process connected (its actors end with the driver)."""
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -282,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlsys: {e}", file=sys.stderr)
         return 128 + e.signum
     except RunFailed as e:
+        stop_ray()  # its log stream (a lost node's workers' dumps) would follow the one line
         # raised in a Ray actor: Ray's wrapper carries the traceback, its cause the one line
         cause = getattr(e, "cause", None)
         print(f"rlsys: {cause if isinstance(cause, RunFailed) else e}", file=sys.stderr)

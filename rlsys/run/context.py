@@ -29,6 +29,26 @@ class PolicyActors:
     shared: object = None
 
 
+WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)  # a crash, a lost node
+
+
+def back_within(worker, timeout: float) -> None:
+    """Wait until a lost rollout worker answers again (Ray restarts it where there is room);
+    RunFailed in one line when it does not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.get(worker.policy_version.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            return
+        except (*WORKER_LOST, ray.exceptions.GetTimeoutError) as e:
+            if time.monotonic() >= deadline:
+                raise RunFailed(
+                    f"a lost rollout worker did not come back within {timeout:.0f} s (trainer.start_timeout_s): "
+                    f"no alive node has room for it ({type(e).__name__})"
+                ) from None
+            time.sleep(0.5)
+
+
 class ActorContext:
     """The `RolloutContext` algorithms see: actor calls behind plain methods, timed per phase.
     `policies` holds every trained policy by name, the first being the run's policy (most
@@ -112,16 +132,25 @@ class ActorContext:
         with self.timed("generate"):
             out = {policy: [] for policy in requests_by_policy}
             for policy, worker, idx, part, fut in calls:
-                gens = ray.get(fut)
-                if any(g.policy_version != self.policy_version for g in gens):
-                    self.weights.readmit(policy, worker)
-                    self.restarted_workers += 1
-                    gens = ray.get(worker.generate.remote(part))
-                for g in gens:
+                for g in self._share(policy, worker, part, fut):
                     g.request_index = int(idx[g.request_index])
                     out[policy].append(g)
             self.tokens_generated += sum(len(g.response_ids) for gens in out.values() for g in gens)
             return out
+
+    def _share(self, policy: str, worker, part: list, fut) -> list:
+        """A worker's generations of its share. A worker that Ray restarted meanwhile (a crash, or
+        its node lost: it comes back on another node) answers by the initial weights or not at
+        all: it is waited for, given the current weights and asked again."""
+        try:
+            gens = ray.get(fut)
+            if all(g.policy_version == self.policy_version for g in gens):
+                return gens
+        except WORKER_LOST:
+            back_within(worker, self.cfg.trainer.start_timeout_s)
+        self.weights.readmit(policy, worker)
+        self.restarted_workers += 1
+        return ray.get(worker.generate.remote(part))
 
     def score(self, table):
         with self.timed("reward"):

@@ -29,7 +29,7 @@ from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F4
 from rlsys.evaluators import AttachedEvaluators, write_cluster_info
 from rlsys.generation import GenerationRequest
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
-from rlsys.placement import placement_report, release_placement_groups
+from rlsys.placement import placement_report, release_placement_groups, service_options
 from rlsys.prompts import prompt_ids
 from rlsys.run import checkpointing, loop
 from rlsys.run.actors import Learners, start_actors
@@ -139,14 +139,19 @@ class Controller:
         except Exception:
             self._kill(actors.all())
             raise
-        report = placement_report(self.policies, type(self.weights).__name__)  # where each actor landed
+        report = placement_report(
+            self.policies, actors.services, type(self.weights).__name__
+        )  # where each actor landed
         (self.run_dir / "placement.json").write_text(json.dumps(report, indent=1))
+        self.learner_group.record_placement(report)
         self.ctx = ActorContext(
             cfg, self.tokenizer, self.task, self.policies, self.reference, self.reward, self.weights, cfg.run.seed
         )
         if teacher_dir:
             temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-            self.ctx.teacher = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(str(teacher_dir), temperature)
+            self.ctx.teacher = (
+                ray.remote(ReferenceWorker).options(**service_options(cfg, 0.25)).remote(str(teacher_dir), temperature)
+            )
         if getattr(self.task, "needs_sandbox", False):
             self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)
         self.stream = PromptStream(
@@ -272,7 +277,8 @@ class Controller:
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        self.attached = AttachedEvaluators(cfg.run.name)  # `rlsys eval attach` finds it through cluster.json
+        # `rlsys eval attach` finds the evaluators' registry through cluster.json
+        self.attached = AttachedEvaluators(cfg.run.name, cfg.placement.services.resources)
         write_cluster_info(self.run_dir, cfg.run.name)
         t0 = time.perf_counter()
         tracker = Tracker(self.run_dir, cfg)  # first: a logger that cannot start fails before any actor

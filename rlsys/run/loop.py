@@ -100,6 +100,7 @@ def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) ->
         "policy_lag": float(lag.mean()) if len(lag) else 0.0,
         "samples": float(table.num_rows),
         "policy_version": float(ctx.policy_version),
+        "workers/restarted": float(ctx.restarted_workers),  # rollout workers Ray recreated (a crash, a lost node)
     }
     if run.cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
         metrics["accuracy/train"] = float((rewards >= 1.0).mean())

@@ -23,7 +23,7 @@ from actors.shared_weights import SLOTS
 from rlsys.config import JobConfig
 from rlsys.errors import RunFailed, WeightsCorrupt
 from rlsys.placement import acknowledged, open_shared_weights, open_weight_broadcast, readmit_blocked
-from rlsys.run.context import PolicyActors
+from rlsys.run.context import WORKER_LOST, PolicyActors
 
 FromLearners = Callable[[list], list]  # ray.get of learner calls; a dead rank ends the run in one line
 
@@ -46,6 +46,7 @@ class InFlight:
     that worker the same weights again, and the other ranks' calls."""
 
     version: int
+    learners: list = field(default_factory=list)  # every policy's ranks: asked when a worker's load fails as lost
     acks: list = field(default_factory=list)
     resends: list = field(default_factory=list)  # per ack: () -> a new ack
     gathered: list = field(default_factory=list)
@@ -62,6 +63,9 @@ class InFlight:
         for ack, resend in zip(self.acks, self.resends):
             try:
                 ray.get(ack)
+            except WORKER_LOST:
+                learners_alive(self.learners, from_learners)
+                continue  # the worker was lost: Ray restarts it, the next generate readmits it
             except WeightsCorrupt as e:
                 print(f"rlsys: {getattr(e, 'cause', e)}; sending them again", file=sys.stderr, flush=True)
                 try:
@@ -69,6 +73,17 @@ class InFlight:
                 except WeightsCorrupt as again:
                     cause = getattr(again, "cause", again)
                     raise WeightsCorrupt(f"{cause} (twice: the run stopped)") from None
+
+
+def learners_alive(learners: list, from_learners: FromLearners) -> None:
+    """After a worker's weight load failed as lost, whether the learner ranks are alive: a load
+    also fails so when its input was lost, the weights in the object store of a learner's node
+    that died; a dead rank then ends the run in its one line (naming the node and the step)."""
+    from_learners([l.ready.remote() for l in learners])
+
+
+def every_rank(policies: dict[str, PolicyActors]) -> list:
+    return [l for p in policies.values() for l in p.learners]
 
 
 def send_through_object_store(p: PolicyActors, version: int, sent: InFlight) -> None:
@@ -105,7 +120,7 @@ class ObjectStoreSync:
 
     def send(self, version: int, training: dict[str, list] | None = None) -> None:
         self.settle()
-        self.in_flight = InFlight(version)
+        self.in_flight = InFlight(version, every_rank(self.policies))
         for p in self.policies.values():
             send_through_object_store(p, version, self.in_flight)
         self.version = version
@@ -117,7 +132,11 @@ class ObjectStoreSync:
 
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]
-        ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
+        try:
+            ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
+        except WORKER_LOST:
+            learners_alive(every_rank(self.policies), self.from_learners)
+            raise
 
     def weights_ref(self, policy: str):
         return self.policies[policy].weights_ref
@@ -148,7 +167,7 @@ class SharedMemorySync:
         """`training`: per policy, this step's train calls (they may still run: a worker's load of
         the slot they write waits on them); without them the learner writes the slot now."""
         self.settle()
-        self.in_flight = sent = InFlight(version)
+        self.in_flight = sent = InFlight(version, every_rank(self.policies))
         for name, p in self.policies.items():
             if p.shared is None:
                 send_through_object_store(p, version, sent)
@@ -169,10 +188,14 @@ class SharedMemorySync:
 
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]
-        if p.shared is None:
-            ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
-        else:
-            ray.get(worker.load_shared.remote(self.version, p.shared, self.version % SLOTS))
+        try:
+            if p.shared is None:
+                ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
+            else:
+                ray.get(worker.load_shared.remote(self.version, p.shared, self.version % SLOTS))
+        except WORKER_LOST:
+            learners_alive(every_rank(self.policies), self.from_learners)
+            raise
 
     def weights_ref(self, policy: str):
         p = self.policies[policy]

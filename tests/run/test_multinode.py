@@ -6,7 +6,6 @@ at rank 0's node; a placement no node can satisfy ends the run in one line namin
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from fakes import TINY_JOB
-from test_jobs import cluster_env, free_port
+from local_cluster import LocalCluster
 
 from rlsys.tracking import read_jsonl
 
@@ -26,45 +25,13 @@ NODES = {"node_a": 2, "node_b": 2}  # name -> logical CPUs; each offers {name: 4
 @pytest.fixture(scope="module")
 def cluster():
     """(GCS address, environment with the token) of a head and two worker nodes; torn down after."""
-    temp = Path(f"/tmp/rlsys-test-nodes-{os.getpid()}")
-    env = cluster_env(temp)
-    ray_bin, gcs = str(Path(sys.executable).parent / "ray"), f"127.0.0.1:{free_port()}"
-
-    def ports():  # every node on one machine needs its own (Ray's defaults would collide)
-        names = ["node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc"]
-        names += ["runtime-env-agent", "metrics-export"]
-        return [f"--{name}-port={free_port()}" for name in names]
-
-    common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    head = [ray_bin, "start", "--head", f"--port={gcs.split(':')[1]}", "--num-cpus=1", "--include-dashboard=false"]
-    commands = [[*head, f"--temp-dir={temp}", *common, *ports()]]
-    for name, cpus in NODES.items():
-        resources = json.dumps({name: 4, "learner_slot": 1})
-        commands.append(
-            [ray_bin, "start", f"--address={gcs}", f"--num-cpus={cpus}", f"--resources={resources}", *common, *ports()]
-        )
-    started = []
-    for command in commands:
-        started.append(
-            subprocess.Popen(
-                command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-            )
-        )
-        time.sleep(3)
-    nodes = [sys.executable, "-c", "import ray; ray.init(address=%r); print(len(ray.nodes()))" % gcs]
-    deadline = time.monotonic() + 120
-    while subprocess.run(nodes, env=env, capture_output=True, text=True).stdout.strip() != "3":
-        assert time.monotonic() < deadline, "the three nodes did not come up"
-        time.sleep(2)
-    yield gcs, env
-    for p in reversed(started):
-        os.killpg(p.pid, signal.SIGTERM)
-    for p in started:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    nodes = LocalCluster(Path(f"/tmp/rlsys-test-nodes-{os.getpid()}"))
+    try:
+        for name, cpus in NODES.items():
+            nodes.add_node(name, cpus, {name: 4, "learner_slot": 1})
+        yield nodes.address, nodes.env
+    finally:
+        nodes.shutdown()
 
 
 def rlsys_run(cluster, tmp_path, name: str, *overrides, timeout=600):
@@ -93,6 +60,7 @@ def test_placement_by_role_puts_learner_and_rollout_on_their_nodes(cluster, tmp_
         "rollout.num_workers=2",
         "placement.learner.resources={node_a: 1}",
         "placement.rollout.resources={node_b: 1}",
+        "placement.services.resources={node_a: 1}",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "by_role" / "placement.json").read_text())
@@ -100,6 +68,8 @@ def test_placement_by_role_puts_learner_and_rollout_on_their_nodes(cluster, tmp_
     (roles,) = report["policies"].values()
     assert roles["learner"] == [node_of(report, "node_a")]
     assert roles["rollout"] == [node_of(report, "node_b")] * 2
+    assert set(report["services"]) == {"reference", "reward", "buffer"}
+    assert set(report["services"].values()) == {node_of(report, "node_a")}
     assert report["weight_sync"] == "ObjectStoreSync"  # auto: the workers are on another node than the learner
     rows = read_jsonl(tmp_path / "by_role" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["policy_version"] == 2
