@@ -25,6 +25,7 @@ from actors.modeling import (
     PolicyWithValueHead,
     per_response_tokens,
     quiet_transformers,
+    size_buckets,
     state_dict_numpy,
     tied_state_dict,
 )
@@ -285,6 +286,27 @@ class Learner:
         return values (`.options(num_returns=2)`), so a worker gets the digest without the weights."""
         weights = self.weights()
         return weights, (digest(weights) if weights is not None else None)
+
+    def bucket_names(self, bucket_mb: float) -> list[list[str]]:
+        """The policy's tensor names grouped into object-store sync buckets of at most `bucket_mb`
+        MB each (`size_buckets`); a tied name costs nothing after the first (one array).
+        Collective under ZeRO-3 (the whole shapes exist inside the gather)."""
+        sizes, seen = {}, set()
+        with self._full_policy() as policy:
+            for name, t in tied_state_dict(policy).items():
+                sizes[name] = 0 if id(t) in seen else t.numel() * 4  # sent as float32 numpy
+                seen.add(id(t))
+        return size_buckets(sizes, bucket_mb * 2**20)
+
+    def weights_bucket(self, names: list[str]) -> tuple[dict[str, np.ndarray] | None, dict[str, int] | None]:
+        """`weights_and_digest` of the named tensors only: one bucket of an object-store sync
+        (collective under ZeRO-3, as `weights`)."""
+        with self._full_policy() as policy:
+            if self.rank != 0:
+                return None, None
+            wanted = set(names)
+            bucket = {k: v for k, v in state_dict_numpy(policy, copy=self.zero_stage == 3).items() if k in wanted}
+            return bucket, digest(bucket)
 
     # ---- trainer.weight_sync=shared_memory (actors/shared_weights.py) ----------------------------
     def share_weights(self, policy: str, required_free: float = 1.25):

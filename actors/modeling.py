@@ -101,15 +101,20 @@ def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarr
     return out
 
 
-def _matched(targets: dict[str, torch.Tensor], weights: dict) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _matched(
+    targets: dict[str, torch.Tensor], weights: dict, partial: bool = False
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(target, source) per target name, sources as tensors (numpy arrays, possibly read-only
-    object-store views, are wrapped, not copied); a missing or misshapen source is named."""
+    object-store views, are wrapped, not copied); a missing or misshapen source is named.
+    `partial`: `weights` is one bucket of a sync, the targets it lacks are left alone."""
     missing = set(targets) - set(weights)
-    if missing:
+    if missing and not partial:
         raise KeyError(f"weights lack {len(missing)} tensors, e.g. {sorted(missing)[0]}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # non-writable numpy views are only read
         for name, target in targets.items():
+            if name not in weights:
+                continue
             src = weights[name]
             src = src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
             if src.shape != target.shape:
@@ -118,24 +123,50 @@ def _matched(targets: dict[str, torch.Tensor], weights: dict) -> Iterator[tuple[
 
 
 @torch.no_grad()
-def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
+def size_buckets(sizes: dict[str, int], limit_bytes: float) -> list[list[str]]:
+    """Names in order, grouped into runs whose sizes (bytes) sum to at most `limit_bytes`; a
+    tensor larger than the limit is a bucket of its own."""
+    buckets, total = [[]], 0
+    for name, size in sizes.items():
+        if buckets[-1] and total + size > limit_bytes:
+            buckets.append([])
+            total = 0
+        buckets[-1].append(name)
+        total += size
+    return buckets if buckets[0] else []
+
+
+def unknown_tensors(targets: dict, bucket: dict) -> None:
+    """KeyError naming a tensor of a sync's bucket that the model does not have."""
+    unknown = [k for k in bucket if k not in targets]
+    if unknown:
+        raise KeyError(f"a weights bucket holds {len(unknown)} tensors the model lacks, e.g. {unknown[0]}")
+
+
+def load_numpy_state(module: nn.Module, weights: dict[str, np.ndarray], partial: bool = False) -> None:
     """Copy numpy weights (possibly read-only object-store views) or tensors (a weight
-    broadcast) into the module in place."""
-    for tensor, src in _matched(module.state_dict(), weights):
+    broadcast) into the module in place (`partial`: some of them, one bucket of a sync)."""
+    targets = module.state_dict()
+    if partial:
+        unknown_tensors(targets, weights)
+    for tensor, src in _matched(targets, weights, partial):
         tensor.copy_(src)
 
 
 @torch.no_grad()
-def adopt_numpy_state(module: nn.Module, weights: dict[str, np.ndarray]) -> None:
+def adopt_numpy_state(module: nn.Module, weights: dict[str, np.ndarray], partial: bool = False) -> None:
     """Point an inference-only module's parameters at the given arrays without copying (the
     object store's read-only buffers, kept alive by the tensors): a weight sync then costs no
-    copy into the model. Arrays of another dtype, and buffers, are copied as `load_numpy_state` does."""
+    copy into the model. Arrays of another dtype, and buffers, are copied as `load_numpy_state` does.
+    `partial`: some of the tensors (one bucket of a sync); the others keep what they hold."""
     params = dict(module.named_parameters(remove_duplicate=False))  # tied weights: each name
     buffers = {name: t for name, t in module.state_dict().items() if name not in params}
-    for tensor, src in _matched(buffers, weights):
+    if partial:
+        unknown_tensors(params | buffers, weights)
+    for tensor, src in _matched(buffers, weights, partial):
         tensor.copy_(src)
     seen = set()
-    for param, src in _matched(params, weights):
+    for param, src in _matched(params, weights, partial):
         if id(param) in seen:  # a tied parameter is set once, under its first name
             continue
         seen.add(id(param))

@@ -32,7 +32,7 @@ from rlsys.weight_digest import first_mismatch
 
 class RolloutBackend(Protocol):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]: ...
-    def load_weights(self, weights: dict[str, np.ndarray]) -> None: ...
+    def load_weights(self, weights: dict[str, np.ndarray], partial: bool = False) -> None: ...  # partial: a bucket
 
 
 def expand_requests(requests: Sequence[GenerationRequest]) -> list[tuple[int, list[int], SamplingParams]]:
@@ -148,17 +148,18 @@ class HFBackend:
         self.lean = LeanDecoder(self.model) if decode == "lean" and supports_lean_decode(self.model) else None
         self._lean_reference = None
 
-    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """New policy weights; a quantised policy re-rounds them on its saved bit maps (in place,
-        so it copies them); otherwise the model reads the given arrays without a copy."""
+    def load_weights(self, weights: dict[str, np.ndarray], partial: bool = False) -> None:
+        """New policy weights (`partial`: one bucket of them); a quantised policy re-rounds them on
+        its saved bit maps (in place, so it copies them); otherwise the model reads the given arrays
+        without a copy."""
         if self.lean is not None:
             self.lean.weights_changed()
         if self.requantize is None:
-            adopt_numpy_state(self.model, weights)
+            adopt_numpy_state(self.model, weights, partial)
             return
         from rlsys.quantize.model import requantize  # the quantiser: only a quantised policy loads it
 
-        load_numpy_state(self.model, weights)
+        load_numpy_state(self.model, weights, partial)
         requantize(self.model, self.requantize[1], self.requantize[0])
 
     @property
@@ -367,13 +368,28 @@ class RolloutWorker:
             self.tokens_generated += len(g.response_ids)
         return gens
 
-    def load_weights(self, version: int, weights: dict[str, np.ndarray], digest: dict[str, int] | None = None) -> int:
-        """New weights from the object store, checked against the learner's `digest` first."""
+    def load_weights(self, version: int, weights, digest=None, bucket: tuple[int, int] | None = None) -> int:
+        """New weights from the object store, checked against the learner's `digest` first.
+        `weights`: every tensor (a dict); or bucket (i, n) of a sync in buckets, some of them, the
+        version changing with the last; or a list of bucket refs with their digests' refs (a
+        restarted worker or an evaluator catching up), fetched and loaded one at a time."""
+        if isinstance(weights, list):
+            import ray
+
+            digests = digest or [None] * len(weights)
+            for i, (part, checksums) in enumerate(zip(weights, digests)):
+                part, checksums = ray.get(part), checksums and ray.get(checksums)
+                self.load_weights(version, part, checksums, (i, len(weights)))
+                del part  # each bucket's arrays live on in the model only: one bucket fetched at a time
+            return version
         bad = first_mismatch(digest, weights) if digest is not None else None
         if bad is not None:
-            raise self._corrupt(version, bad, "the object store")
-        self.backend.load_weights(weights)
-        self.version = version
+            raise self._corrupt(
+                version, bad, "the object store" + (f" (bucket {bucket[0]} of {bucket[1]})" if bucket else "")
+            )
+        self.backend.load_weights(weights, partial=bucket is not None)
+        if bucket is None or bucket[0] == bucket[1] - 1:
+            self.version = version
         return version
 
     def _corrupt(self, version: int, tensor: str, path: str) -> WeightsCorrupt:

@@ -303,8 +303,9 @@ class VLLMBackend:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return generations_from_outputs(requests, [plain_output(o) for o in outputs])
 
-    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """In place, on every tensor-parallel worker, through the worker extension."""
+    def load_weights(self, weights: dict[str, np.ndarray], partial: bool = False) -> None:
+        """In place, on every tensor-parallel worker, through the worker extension (vLLM's
+        `load_weights` takes any subset of the tensors: a bucket loads as the whole does)."""
         for bucket in weight_buckets(vllm_weight_items(weights, self.tied)):
             self.llm.collective_rpc("rlsys_load_weights", args=(weight_payload(bucket),))
         self.llm.reset_prefix_cache()

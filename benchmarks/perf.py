@@ -329,7 +329,14 @@ class Bench:
         reference = ray.remote(ReferenceWorker).options(num_cpus=0.25).remote(self.policy_dir)
         policies = {"policy": PolicyActors([], [])}
         ctx = ActorContext(
-            self.cfg, self.tok, self.task, policies, reference, reward, ObjectStoreSync(policies, 60.0, ray.get), 0
+            self.cfg,
+            self.tok,
+            self.task,
+            policies,
+            reference,
+            reward,
+            ObjectStoreSync(policies, 60.0, ray.get, self.cfg.trainer.sync_bucket_mb),
+            0,
         )
         table = self.step_table()
         together, apart = paired(
@@ -511,7 +518,16 @@ class Bench:
         reqs = self.requests(batch, new)
         policies = [{"policy": PolicyActors(workers[:n], [])} for n in (1, 2)]
         ctxs = [
-            ActorContext(self.cfg, self.tok, self.task, p, None, None, ObjectStoreSync(p, 60.0, ray.get), 0)
+            ActorContext(
+                self.cfg,
+                self.tok,
+                self.task,
+                p,
+                None,
+                None,
+                ObjectStoreSync(p, 60.0, ray.get, self.cfg.trainer.sync_bucket_mb),
+                0,
+            )
             for p in policies
         ]
         t_one, t_two = paired(lambda: ctxs[0].generate(reqs), lambda: ctxs[1].generate(reqs), self.reps)

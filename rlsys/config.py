@@ -368,6 +368,13 @@ class TrainerConfig(Section):
         description="the most a weight sync, forming the broadcast group or "
         "placing the vLLM engines may take, in seconds, before the run fails in one line",
     )
+    sync_bucket_mb: float = Field(
+        512.0,
+        gt=0,
+        description="object-store sync: weights larger than this go in buckets of at most this many MB, each "
+        "loaded by every worker before the next is made, so a sync never holds a second full copy in the object "
+        "store (a policy that fits in one bucket goes as one object, unawaited)",
+    )
     start_timeout_s: float = Field(
         600.0,
         gt=0,

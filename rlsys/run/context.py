@@ -19,14 +19,16 @@ from rlsys.generation import SamplingParams
 class PolicyActors:
     """The actors of one trained policy: its rollout workers, its learner ranks, the newest
     weights synced to the workers through the object store (None: the initial policy on disk,
-    or not asked for under the other syncs) and its shared-memory weights file's layout (None:
-    it syncs through the object store or the broadcast group)."""
+    or not asked for under the other syncs; a list of refs when sent in buckets) and its
+    shared-memory weights file's layout (None: it syncs through the object store or the
+    broadcast group)."""
 
     workers: list
     learners: list
     weights_ref: object = None
     weights_digest: object = None  # the checksums of `weights_ref` (an object ref; rlsys/weight_digest.py)
     shared: object = None
+    buckets: list | None = None  # object-store sync: tensor names per bucket (trainer.sync_bucket_mb)
 
 
 WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)  # a crash, a lost node

@@ -86,14 +86,44 @@ def every_rank(policies: dict[str, PolicyActors]) -> list:
     return [l for p in policies.values() for l in p.learners]
 
 
-def send_through_object_store(p: PolicyActors, version: int, sent: InFlight) -> None:
-    """Rank 0's weights and their checksums into the object store, every worker loading them."""
+def send_through_object_store(p: PolicyActors, version: int, sent: InFlight, timeout: float, from_learners) -> None:
+    """Rank 0's weights and their checksums into the object store, every worker loading them
+    (awaited later, through `sent`); a policy larger than one bucket goes in buckets, awaited now."""
+    if p.buckets is not None and len(p.buckets) > 1:
+        return send_in_buckets(p, version, timeout, from_learners)
     weights, digest = p.learners[0].weights_and_digest.options(num_returns=2).remote()
     sent.gathered += [l.weights.remote() for l in p.learners[1:]]  # ZeRO-3: every rank joins the gather
     for w in p.workers:
         load = lambda w=w: w.load_weights.remote(version, weights, digest)  # noqa: E731
         sent.add(load(), load)
     p.weights_ref, p.weights_digest = weights, digest
+
+
+def send_in_buckets(p: PolicyActors, version: int, timeout: float, from_learners: FromLearners) -> None:
+    """Rank 0's weights bucket by bucket (`trainer.sync_bucket_mb`), each with its checksums and
+    loaded by every worker before the next is asked for: the previous version's buckets are let go
+    first and a worker replaces its arrays a bucket at a time, so no object store holds more than
+    one full copy and a bucket. The buckets stay referenced for a restarted worker or an evaluator."""
+    p.weights_ref = p.weights_digest = None
+    refs, digests = [], []
+    for i, names in enumerate(p.buckets):
+        part, checksums = p.learners[0].weights_bucket.options(num_returns=2).remote(names)
+        sent = InFlight(version, p.learners, gathered=[l.weights_bucket.remote(names) for l in p.learners[1:]])
+        for w in p.workers:
+            load = lambda w=w: w.load_weights.remote(version, part, checksums, (i, len(p.buckets)))  # noqa: E731
+            sent.add(load(), load)
+        sent.wait(timeout, from_learners)
+        refs.append(part)
+        digests.append(checksums)
+    p.weights_ref, p.weights_digest = refs, digests
+
+
+def bucket_policies(policies: dict[str, PolicyActors], bucket_mb: float, from_learners: FromLearners) -> bool:
+    """Each policy's object-store buckets (every rank asked: collective under ZeRO-3); True when
+    some policy needs more than one (its syncs are then awaited, not sent with the step)."""
+    for p in policies.values():
+        p.buckets = from_learners([l.bucket_names.remote(bucket_mb) for l in p.learners])[0]
+    return any(len(p.buckets) > 1 for p in policies.values())
 
 
 def asked_weights_ref(p: PolicyActors, version: int, from_learners: FromLearners):
@@ -109,11 +139,12 @@ def asked_weights_ref(p: PolicyActors, version: int, from_learners: FromLearners
 class ObjectStoreSync:
     """`trainer.weight_sync: object_store` (and `auto` where no policy can share memory)."""
 
-    sends_with_step = True
-
-    def __init__(self, policies: dict[str, PolicyActors], timeout: float, from_learners: FromLearners):
+    def __init__(
+        self, policies: dict[str, PolicyActors], timeout: float, from_learners: FromLearners, bucket_mb: float
+    ):
         self.policies, self.timeout, self.from_learners = policies, timeout, from_learners
         self.version, self.in_flight = 0, None
+        self.sends_with_step = not bucket_policies(policies, bucket_mb, from_learners)
 
     def train_slot(self, policy: str, version: int) -> None:
         return None
@@ -122,7 +153,7 @@ class ObjectStoreSync:
         self.settle()
         self.in_flight = InFlight(version, every_rank(self.policies))
         for p in self.policies.values():
-            send_through_object_store(p, version, self.in_flight)
+            send_through_object_store(p, version, self.in_flight, self.timeout, self.from_learners)
         self.version = version
 
     def settle(self) -> None:
@@ -149,11 +180,13 @@ class SharedMemorySync:
     """`trainer.weight_sync: shared_memory | auto`: the slot a step writes (`train_slot`) is loaded
     by the policy's workers; a policy without a weights file syncs through the object store."""
 
-    sends_with_step = True
-
-    def __init__(self, policies: dict[str, PolicyActors], timeout: float, from_learners: FromLearners):
+    def __init__(
+        self, policies: dict[str, PolicyActors], timeout: float, from_learners: FromLearners, bucket_mb: float
+    ):
         self.policies, self.timeout, self.from_learners = policies, timeout, from_learners
         self.version, self.in_flight = 0, None
+        by_object_store = {name: p for name, p in policies.items() if p.shared is None}
+        self.sends_with_step = not bucket_policies(by_object_store, bucket_mb, from_learners)
 
     def train_slot(self, policy: str, version: int) -> int | None:
         """The slot a step writes `version` into; the sync sent before (the workers' loads of the
@@ -170,7 +203,7 @@ class SharedMemorySync:
         self.in_flight = sent = InFlight(version, every_rank(self.policies))
         for name, p in self.policies.items():
             if p.shared is None:
-                send_through_object_store(p, version, sent)
+                send_through_object_store(p, version, sent, self.timeout, self.from_learners)
                 continue
             written = (training or {}).get(name) or [l.write_shared.remote(version % SLOTS) for l in p.learners]
             slot = version % SLOTS
@@ -277,6 +310,7 @@ def make_weight_sync(cfg: JobConfig, policies: dict[str, PolicyActors], from_lea
     if mode == "broadcast":
         return BroadcastSync(cfg, policies, from_learners)
     open_shared_weights(cfg, policies)  # sets PolicyActors.shared where it can (auto, shared_memory)
+    bucket_mb = cfg.trainer.sync_bucket_mb
     if any(p.shared is not None for p in policies.values()):
-        return SharedMemorySync(policies, timeout, from_learners)
-    return ObjectStoreSync(policies, timeout, from_learners)
+        return SharedMemorySync(policies, timeout, from_learners, bucket_mb)
+    return ObjectStoreSync(policies, timeout, from_learners, bucket_mb)

@@ -95,3 +95,51 @@ def test_object_store_weights_that_arrive_corrupt_are_sent_again_then_stop_the_r
         f"does not match the learner's checksum (twice: the run stopped)"
     )
     assert get(worker.policy_version.remote()) == 1
+
+
+def test_a_bucket_that_arrives_corrupt_is_named_with_its_place_and_leaves_the_version(ray_cluster, model_dir):
+    """A sync in buckets (trainer.sync_bucket_mb): each bucket is checked against its own
+    checksums; the version moves only with the last bucket."""
+    from actors.modeling import size_buckets
+    from actors.rollout import RolloutWorker
+    from rlsys.models import load_model
+
+    worker = ray_cluster.remote(RolloutWorker).remote(str(model_dir), index=2)
+    good = state_dict_numpy(load_model(model_dir))
+    names = size_buckets({k: v.nbytes for k, v in good.items()}, 20_000)
+    assert len(names) >= 3
+    buckets = [{k: good[k] for k in b} for b in names]
+    get = ray_cluster.get
+    assert get(worker.load_weights.remote(4, buckets[0], digest(buckets[0]), (0, len(buckets)))) == 4
+    assert get(worker.policy_version.remote()) == 0  # not before the last bucket
+    name = names[1][0]
+    with pytest.raises(WeightsCorrupt) as e:
+        get(worker.load_weights.remote(4, flipped(buckets[1], name), digest(buckets[1]), (1, len(buckets))))
+    assert f"arrived corrupt through the object store (bucket 1 of {len(buckets)}): tensor {name} does" in str(e.value)
+    for i, b in enumerate(buckets[1:], start=1):
+        get(worker.load_weights.remote(4, b, digest(b), (i, len(buckets))))
+    assert get(worker.policy_version.remote()) == 4
+
+
+def test_size_buckets_keep_order_and_bound_each_bucket():
+    from actors.modeling import size_buckets
+
+    sizes = {"a": 40, "b": 30, "c": 50, "d": 120, "e": 10, "f": 0}
+    assert size_buckets(sizes, 80) == [["a", "b"], ["c"], ["d"], ["e", "f"]]  # d alone: larger than the bound
+    assert size_buckets(sizes, 1e9) == [list(sizes)] and size_buckets({}, 10) == []
+
+
+def test_loading_a_model_bucket_by_bucket_equals_loading_it_whole(model_dir):
+    from actors.modeling import adopt_numpy_state, load_numpy_state, size_buckets
+    from rlsys.models import load_model
+
+    source, whole, parts = load_model(model_dir), load_model(model_dir), load_model(model_dir)
+    for param in source.parameters():
+        param.data.mul_(1.5)
+    weights = state_dict_numpy(source)
+    adopt_numpy_state(whole, weights)
+    for names in size_buckets({k: v.nbytes for k, v in weights.items()}, 20_000):
+        adopt_numpy_state(parts, {k: weights[k] for k in names}, partial=True)
+    assert digest(state_dict_numpy(parts)) == digest(state_dict_numpy(whole)) == digest(weights)
+    with pytest.raises(KeyError, match="a weights bucket holds 1 tensors the model lacks, e.g. extra"):
+        load_numpy_state(parts, {"extra": weights["lm_head.weight"]}, partial=True)

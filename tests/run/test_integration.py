@@ -143,6 +143,54 @@ def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cl
     assert ray_cluster.get(worker.pid.remote()) != pid
 
 
+def test_object_store_sync_in_buckets_gives_every_worker_the_learners_weights(ray_cluster, tmp_path):
+    """trainer.sync_bucket_mb below the policy's size: the sync goes bucket by bucket (awaited,
+    not sent with the step), the workers end with the learner's bytes, and a worker restarted
+    afterwards catches up from the kept buckets one at a time."""
+    import os
+    import signal
+
+    import torch
+
+    from actors.modeling import state_dict_numpy
+    from rlsys.generation import GenerationRequest
+    from rlsys.run.controller import Controller
+    from rlsys.weight_digest import digest
+
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [*TINY, f"run.output_dir={tmp_path}", "run.name=buckets"]
+        + ["trainer.weight_sync=object_store", "trainer.sync_bucket_mb=0.02"],
+    )
+    c = Controller(cfg, tmp_path / "buckets", progress=False)
+    c.start_actors(c.prepare_policy())
+    p, get = c.policies[c.ctx.main_policy], ray_cluster.get
+    assert len(p.buckets) >= 3 and not c.weights.sends_with_step
+    assert sorted(n for b in p.buckets for n in b) == sorted(get(c.learners[0].weights.remote()))
+
+    def perturb(learner):  # the learner's weights move away from the workers' initial ones
+        g = torch.Generator().manual_seed(0)
+        for param in learner.module.policy.parameters():
+            param.data.add_(torch.randn(param.shape, generator=g) * 0.01)
+
+    get(c.learners[0].__ray_call__.remote(perturb))
+    learner_digest = get(c.learners[0].weights_and_digest.options(num_returns=2).remote()[1])
+    worker_digest = lambda w: get(w.__ray_call__.remote(lambda self: digest(state_dict_numpy(self.backend.model))))  # noqa: E731
+    assert worker_digest(c.workers[0]) != learner_digest
+    c.sync_weights(1)
+    assert isinstance(p.weights_ref, list) and len(p.weights_ref) == len(p.buckets)
+    assert all(worker_digest(w) == learner_digest for w in c.workers)
+    assert get([w.policy_version.remote() for w in c.workers]) == [1, 1]
+
+    pid = get(c.workers[1].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    requests = [GenerationRequest(q.prompt_ids, c.ctx.sampling(n=2, seed=5)) for q in c.stream.next(4)]
+    gens = c.ctx.generate(requests)
+    assert {g.policy_version for g in gens} == {1} and c.ctx.restarted_workers == 1
+    assert worker_digest(c.workers[1]) == learner_digest
+    c.shutdown()
+
+
 def test_weight_sync_is_sent_unawaited_and_its_failure_surfaces_at_the_next_generate(ray_cluster, tmp_path):
     import time
 

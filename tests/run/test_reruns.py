@@ -1,7 +1,8 @@
 """Bit-identical reruns: the same config and seed run twice on the same cluster shape end with the
 same weights (max abs difference 0) and the same metrics, evaluation and sample rows, timings
 aside: one rollout worker and a one-rank learner; two workers and a two-rank ZeRO-2 learner; two
-workers with the rollout overlapped with training."""
+workers with the rollout overlapped with training; and an object-store sync in buckets against one
+in one object."""
 
 import numpy as np
 import pytest
@@ -50,3 +51,13 @@ def test_the_same_config_and_seed_twice_is_bit_identical(ray_cluster, tmp_path, 
     assert max(float(np.abs(first[0][k] - second[0][k]).max()) for k in first[0]) == 0.0
     assert first[1] == second[1] and len(first[1]) == 3  # rewards, losses, KL, grad norms: equal
     assert first[2] == second[2] and first[3] == second[3]  # held-out evaluations, rollout samples
+
+
+def test_a_sync_in_buckets_trains_the_same_run_as_one_object(ray_cluster, tmp_path):
+    """trainer.sync_bucket_mb below the policy's size sends the same bytes in pieces: the run it
+    trains is the one-object sync's, bit for bit."""
+    shape = ["rollout.num_workers=2", "trainer.weight_sync=object_store"]
+    whole = run_once(tmp_path, "whole", shape)
+    buckets = run_once(tmp_path, "buckets", [*shape, "trainer.sync_bucket_mb=0.02"])
+    assert max(float(np.abs(whole[0][k] - buckets[0][k]).max()) for k in whole[0]) == 0.0
+    assert whole[1] == buckets[1] and whole[2] == buckets[2] and whole[3] == buckets[3]
