@@ -23,6 +23,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def masked_sum_over_constant(x: torch.Tensor, mask: torch.Tensor, constant: float) -> torch.Tensor:
+    """Each row's masked sum of x divided by `constant`, averaged over the rows:
+    sum_i sum_t mask * x / (rows * constant). Dr.GRPO's aggregate (Liu et al. 2025, constant =
+    the generation budget), in place of a mean over tokens that weighs a token by 1 / its count."""
+    return (x * mask).sum() / (mask.shape[0] * constant)
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over masked positions; masked-out entries come back as 0."""
     mean = masked_mean(x, mask)
@@ -92,14 +99,14 @@ def broadcast_to_tokens(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch
     return per_sequence[:, None].to(mask.dtype) * mask
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float = 0.2):
-    """PPO surrogate: -min(ratio*A, clip(ratio, 1-eps, 1+eps)*A), masked token mean.
-    Returns (loss, clip_fraction, approx_kl)."""
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float = 0.2, aggregate=masked_mean):
+    """PPO surrogate: -min(ratio*A, clip(ratio, 1-eps, 1+eps)*A), reduced by `aggregate(x, mask)`
+    (the masked token mean unless given). Returns (loss, clip_fraction, approx_kl)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = masked_mean(-torch.min(unclipped, clipped), mask)
+    loss = aggregate(-torch.min(unclipped, clipped), mask)
     with torch.no_grad():
         clip_frac = masked_mean((torch.abs(ratio - 1.0) > clip_eps).float(), mask)
         approx_kl = masked_mean(0.5 * log_ratio**2, mask)
@@ -116,16 +123,20 @@ def rows_with_gradient(batch, kl_coef: float) -> torch.Tensor:
     return ((batch.advantages != 0) & (batch.response_mask > 0)).any(dim=1)
 
 
-def clipped_policy_loss_with_kl(logprobs, batch, clip_eps: float, kl_coef: float):
+def clipped_policy_loss_with_kl(logprobs, batch, clip_eps: float, kl_coef: float, aggregate=masked_mean):
     """The PPO clipped surrogate on `batch.advantages` plus `kl_coef * k3(pi, ref)` as a loss
-    (GRPO's objective, shared by the algorithms built on it). Returns (loss, metrics)."""
+    (GRPO's objective, shared by the algorithms built on it), both per-token terms reduced by
+    `aggregate(x, mask)` (the masked token mean unless given). Returns (loss, metrics); the
+    `kl_ref` metric is the token mean of k3 whatever the aggregate."""
     mask = batch.response_mask
-    loss, clip_frac, approx_kl = clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, mask, clip_eps)
+    loss, clip_frac, approx_kl = clipped_policy_loss(
+        logprobs, batch.old_logprobs, batch.advantages, mask, clip_eps, aggregate
+    )
     metrics = {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
     if kl_coef > 0:
-        kl = masked_mean(k3_kl(logprobs, batch.ref_logprobs), mask)
-        loss = loss + kl_coef * kl
-        metrics["kl_ref"] = kl.item()
+        kl = k3_kl(logprobs, batch.ref_logprobs)
+        loss = loss + kl_coef * aggregate(kl, mask)
+        metrics["kl_ref"] = masked_mean(kl.detach(), mask).item()
     return loss, metrics
 
 

@@ -1,17 +1,34 @@
 """GRPO (Shao et al. 2024): group-relative advantages, no critic, k3 KL to the reference as a loss.
 
 For G responses to one prompt with rewards r_1..r_G,
-    A_i = (r_i - mean(r)) / (std(r) + 1e-6)        (Dr.GRPO: no std division)
+    A_i = (r_i - mean(r)) / (std(r) + 1e-6)                         (std_normalize: true)
 shared by every token of response i, in the PPO clipped surrogate, plus
-    kl_coef * k3(pi, ref),  k3 = exp(ref - logp) - (ref - logp) - 1.
+    kl_coef * k3(pi, ref),  k3 = exp(ref - logp) - (ref - logp) - 1,
+per token l_{i,t}, reduced over a minibatch of B responses (loss_normalizer)
+    token_mean:  sum_{i,t} l_{i,t} / sum_i |o_i|                    (the minibatch's response tokens)
+    constant:    sum_{i,t} l_{i,t} / (B * max_tokens).
+
+Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") is `std_normalize: false` with
+`loss_normalizer: constant` and `max_tokens` the generation budget (rollout.max_new_tokens):
+A_i = r_i - mean(r), and each response's token sum divided by that constant, averaged over the
+responses, as the authors' code computes it (sail-sg/oat, algorithms/ppo.py: `masked_sum(...,
+constant_normalizer=generate_max_length)` per response, then the minibatch mean; the k3 term alike).
+
+Both are exact per minibatch on one rank. Across ranks DeepSpeed averages the gradients, which is the
+batch-wide form when the ranks' shards are equal: as many responses (constant), as many tokens
+(token_mean). Under `constant` no row is left out (`gradient_rows`): the learner rescales a subset's
+loss by its share of tokens, right only for a token mean.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Literal
+
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from algorithms.base import register, rewards_of, sample_groups
 from algorithms.common import (
@@ -19,6 +36,8 @@ from algorithms.common import (
     clipped_policy_loss_with_kl,
     group_stats,
     grpo_advantages,
+    masked_mean,
+    masked_sum_over_constant,
     rows_with_gradient,
 )
 from rlsys.batch import TrainBatch, collate
@@ -47,8 +66,30 @@ class GRPOConfig(AlgorithmConfig):
         description="weight of the k3 KL to the reference in the loss (0: no reference logprobs are computed)",
     )
     std_normalize: bool = Field(
-        True, description="divide the advantages by the group's reward std; false gives Dr.GRPO's unscaled advantages"
+        True,
+        description="divide the advantages by the group's reward std (false: A_i = r_i - mean(r), one half of "
+        "Dr.GRPO; the other is loss_normalizer: constant)",
     )
+    loss_normalizer: Literal["token_mean", "constant"] = Field(
+        "token_mean",
+        description="how a minibatch's per-token loss (surrogate and k3 KL) is averaged: token_mean: over its "
+        "response tokens; constant: each response's token sum over max_tokens, averaged over its responses "
+        "(Dr.GRPO's, no length bias)",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the constant of loss_normalizer: constant (needed there, unused otherwise); Dr.GRPO uses the "
+        "generation budget, rollout.max_new_tokens",
+    )
+
+    @model_validator(mode="after")
+    def _max_tokens_with_constant(self):
+        if self.loss_normalizer == "constant" and self.max_tokens is None:
+            raise ValueError("loss_normalizer 'constant' needs max_tokens (e.g. rollout.max_new_tokens)")
+        if self.loss_normalizer != "constant" and self.max_tokens is not None:
+            raise ValueError(f"max_tokens ({self.max_tokens}) is used only by loss_normalizer 'constant'")
+        return self
 
 
 @register("grpo")
@@ -58,6 +99,7 @@ class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnS
 
     def __init__(self, config: GRPOConfig | None = None):
         self.config = config or self.Config()
+        self._aggregate = loss_aggregate(self.config)
 
     def rollout(self, ctx, prompts) -> pa.Table:
         return sample_groups(ctx, prompts, self.config.group_size, with_ref=self.config.kl_coef > 0)
@@ -70,10 +112,23 @@ class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnS
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
 
     def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
+        if self.config.loss_normalizer == "constant":
+            # every row counts in the B of B * max_tokens; the learner's rescaling of a
+            # subset is by tokens, which only a token mean allows
+            return torch.ones(len(batch), dtype=torch.bool)
         return rows_with_gradient(batch, self.config.kl_coef)
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
-        return clipped_policy_loss_with_kl(outputs.logprobs, batch, self.config.clip_eps, self.config.kl_coef)
+        c = self.config
+        return clipped_policy_loss_with_kl(outputs.logprobs, batch, c.clip_eps, c.kl_coef, self._aggregate)
+
+
+def loss_aggregate(config: GRPOConfig):
+    """`aggregate(x, mask)` reducing per-token loss terms to a minibatch's loss: the masked token
+    mean, or Dr.GRPO's sum_{i,t} x / (B * max_tokens)."""
+    if config.loss_normalizer == "constant":
+        return partial(masked_sum_over_constant, constant=config.max_tokens)
+    return masked_mean
 
 
 def sequence_advantage_batch(table: pa.Table, advantages: np.ndarray) -> TrainBatch:

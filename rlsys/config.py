@@ -391,7 +391,7 @@ class TrainerConfig(Section):
     overlap_rollout: bool = Field(
         False,
         description="generate the next step's experience while the learner trains "
-        "(one policy version behind; needs buffer.max_staleness >= 1; grpo, rloo)",
+        "(one policy version behind; needs buffer.max_staleness >= 1; grpo, rloo_clipped)",
     )
 
 
@@ -798,7 +798,7 @@ def check_job(cfg: JobConfig, algorithm) -> None:
         if not isinstance(algorithm, TrainsOnStaleRows):
             raise ConfigError(
                 f"config error: 'trainer.overlap_rollout': algorithm '{name}' needs its "
-                f"rollout on the current policy (overlap: grpo, rloo)"
+                f"rollout on the current policy (overlap: grpo, rloo_clipped)"
             )
         if cfg.buffer.max_staleness < 1:
             raise ConfigError(

@@ -261,6 +261,7 @@ CASES = {  # each algorithm's own config, shrunk so one step takes about a secon
     "grpo": ("configs/quickstart.yaml", [*SMALL, "algorithm.group_size=2"]),
     "ppo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=ppo", "algorithm.group_size=2"]),
     "rloo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=rloo", "algorithm.group_size=2"]),
+    "rloo_clipped": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=rloo_clipped", "algorithm.group_size=2"]),
     "vineppo": ("configs/vineppo.yaml", [*SMALL, "algorithm.group_size=2", "algorithm.mc_rollouts=2"]),
     "pilaf": ("configs/pilaf.yaml", [*SMALL, "algorithm.interpolated_fraction=1.0"]),  # the interpolated sampler
     "ampo": ("configs/ampo.yaml", [*SMALL, "algorithm.num_samples=3", "algorithm.subset_size=2"]),
