@@ -238,9 +238,19 @@ class Learners:
 
 
 def lost_or_not(node: str) -> str:
-    """The error line's clause for a node (named "node <id[:8]> ...") that is no longer alive; "" for one that is."""
-    alive = {n["NodeID"][:8] for n in ray.nodes() if n.get("Alive")}
-    return "" if node.split()[1] in alive else ", which the cluster lost"
+    """The error line's clause for a node (named "node <id[:8]> ...") that is lost; "" for one that
+    is not. Lost: the cluster marked it dead, or its raylet no longer answers a connection (Ray
+    marks a node dead only after its health checks miss, ~30 s by default)."""
+    import socket
+
+    (info,) = [n for n in ray.nodes() if n["NodeID"].startswith(node.split()[1])] or [None]
+    if info is None or not info.get("Alive"):
+        return ", which the cluster lost"
+    try:
+        socket.create_connection((info["NodeManagerAddress"], info["NodeManagerPort"]), timeout=3).close()
+        return ""
+    except OSError:
+        return ", which the cluster lost"
 
 
 def rank_means(rank_metrics: list[dict]) -> dict[str, float]:

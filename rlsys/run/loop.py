@@ -61,6 +61,7 @@ def update(run) -> tuple[dict[str, float], pa.Table]:
     ctx.timings.clear()
     start, tokens_before = time.perf_counter(), ctx.tokens_generated
     # sample: this step's rows (under overlap, sampled while the previous step trained)
+    run.learner_group.step = run.step + 1  # the step a learner rank's death is reported in
     table = run.rollouts.take()
     lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
     # prepare: a batch per trained policy; None from the algorithm: no update for it this step

@@ -66,6 +66,9 @@ class InFlight:
             except WORKER_LOST:
                 learners_alive(self.learners, from_learners)
                 continue  # the worker was lost: Ray restarts it, the next generate readmits it
+            except ray.exceptions.ObjectLostError:  # the weights were lost with the node that held them
+                learners_alive(self.learners, from_learners)
+                raise
             except WeightsCorrupt as e:
                 print(f"rlsys: {getattr(e, 'cause', e)}; sending them again", file=sys.stderr, flush=True)
                 try:
@@ -165,7 +168,7 @@ class ObjectStoreSync:
         p = self.policies[policy]
         try:
             ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
-        except WORKER_LOST:
+        except (*WORKER_LOST, ray.exceptions.ObjectLostError):
             learners_alive(every_rank(self.policies), self.from_learners)
             raise
 
@@ -226,7 +229,7 @@ class SharedMemorySync:
                 ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
             else:
                 ray.get(worker.load_shared.remote(self.version, p.shared, self.version % SLOTS))
-        except WORKER_LOST:
+        except (*WORKER_LOST, ray.exceptions.ObjectLostError):
             learners_alive(every_rank(self.policies), self.from_learners)
             raise
 

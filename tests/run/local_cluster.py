@@ -19,19 +19,30 @@ RAY = str(Path(sys.executable).parent / "ray")
 class LocalCluster:
     """`LocalCluster(temp, head_cpus=1)`, then `add_node(name, cpus, resources)`; `kill(name)`
     and `shutdown()`. `address` is the GCS address a run's `ray.address` takes; `env` the
-    environment (token) its processes need. `system_config`: RAY_* settings every node gets."""
+    environment (token) its processes need; `dashboard` the head's Ray Jobs address (with
+    `jobs=True`). `system_config`: RAY_* settings every node gets."""
 
-    def __init__(self, temp: Path, head_cpus: int = 1, head_resources: dict | None = None, **system_config):
+    def __init__(
+        self, temp: Path, head_cpus: int = 1, head_resources: dict | None = None, jobs: bool = False, **system_config
+    ):
+        self.temp = temp
         self.env = cluster_env(temp) | {f"RAY_{k}": str(v) for k, v in system_config.items()}
         self.address = f"127.0.0.1:{free_port()}"
         self.nodes: dict[str, subprocess.Popen] = {}
-        head = ["--head", f"--port={self.address.split(':')[1]}", "--include-dashboard=false", f"--temp-dir={temp}"]
+        head = ["--head", f"--port={self.address.split(':')[1]}", f"--temp-dir={temp}"]
+        if jobs:
+            port = free_port()
+            self.dashboard = f"http://127.0.0.1:{port}"
+            head += ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={port}"]
+        else:
+            head += ["--include-dashboard=false"]
         self._start("head", head_cpus, head_resources or {}, head)
 
     def add_node(self, name: str, cpus: int, resources: dict) -> None:
         """A worker node offering `cpus` logical CPUs and the custom `resources`, once the cluster
         counts it alive (nodes joining at the same moment can be left out: one at a time)."""
-        self._start(name, cpus, resources, [f"--address={self.address}"])
+        # a temp dir of its own: nodes sharing one would garbage-collect each other's job working dirs
+        self._start(name, cpus, resources, [f"--address={self.address}", f"--temp-dir={self.temp / name}"])
         self.wait_alive(len(self.nodes))
 
     def _start(self, name: str, cpus: int, resources: dict, role: list[str]) -> None:

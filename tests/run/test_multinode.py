@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from fakes import TINY_JOB
 from local_cluster import LocalCluster
+from test_jobs import cli
 
 from rlsys.tracking import read_jsonl
 
@@ -25,17 +26,17 @@ NODES = {"node_a": 2, "node_b": 2}  # name -> logical CPUs; each offers {name: 4
 @pytest.fixture(scope="module")
 def cluster():
     """(GCS address, environment with the token) of a head and two worker nodes; torn down after."""
-    nodes = LocalCluster(Path(f"/tmp/rlsys-test-nodes-{os.getpid()}"))
+    nodes = LocalCluster(Path(f"/tmp/rlsys-test-nodes-{os.getpid()}"), jobs=True)
     try:
         for name, cpus in NODES.items():
             nodes.add_node(name, cpus, {name: 4, "learner_slot": 1})
-        yield nodes.address, nodes.env
+        yield nodes.address, nodes.env, nodes.dashboard
     finally:
         nodes.shutdown()
 
 
 def rlsys_run(cluster, tmp_path, name: str, *overrides, timeout=600):
-    gcs, env = cluster
+    gcs, env, _ = cluster
     args = [*TINY_JOB, "trainer.steps=2", "trainer.eval_every=0", "rollout.max_new_tokens=4", f"ray.address={gcs}"]
     args += [f"run.output_dir={tmp_path}", f"run.name={name}", *overrides, "--no-progress"]
     return subprocess.run(
@@ -100,3 +101,21 @@ def test_a_placement_no_node_offers_fails_at_once_in_one_line(cluster, tmp_path)
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("rlsys: placement.learner.resources asks for {'node_x': 1.0}, which no node")
     assert "node_a 4" in last and "node_b 4" in last and time.monotonic() - start < 200
+
+
+def test_rlsys_submit_runs_the_quickstart_to_the_end_on_the_cluster(cluster, tmp_path):
+    """The job's driver on the head, its learner and workers placed by role on the worker nodes."""
+    _, env, dashboard = cluster
+    args = [*TINY_JOB, "trainer.steps=2", "trainer.eval_every=0", "rollout.max_new_tokens=4"]
+    args += ["placement.learner.resources={node_a: 1}", "placement.rollout.resources={node_b: 1}"]
+    job = cli(env, "submit", "configs/quickstart.yaml", *args, "run.name=submitted", f"run.output_dir={tmp_path}",
+              "--address", dashboard).splitlines()[-1]  # fmt: skip
+    deadline = time.monotonic() + 600
+    while (state := cli(env, "status", job, "--address", dashboard)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.monotonic() < deadline
+        time.sleep(2)
+    logs = cli(env, "logs", job, "--address", dashboard)
+    assert state == "SUCCEEDED" and "finished 2 steps" in logs, logs[-3000:]
+    report = json.loads((tmp_path / "submitted" / "placement.json").read_text())
+    (roles,) = report["policies"].values()
+    assert roles["learner"] == [node_of(report, "node_a")] and set(roles["rollout"]) == {node_of(report, "node_b")}
