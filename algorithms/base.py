@@ -59,7 +59,21 @@ def build_algorithm(cfg):
     return algorithm
 
 
-BUILTIN_MODULES = ("ppo", "grpo", "rloo", "rloo_clipped", "vineppo", "pilaf", "ampo", "distill", "cdg", "brite", "rlef")
+BUILTIN_MODULES = (
+    "ppo",
+    "grpo",
+    "gspo",
+    "cispo",
+    "rloo",
+    "rloo_clipped",
+    "vineppo",
+    "pilaf",
+    "ampo",
+    "distill",
+    "cdg",
+    "brite",
+    "rlef",
+)
 
 
 def _import_builtins() -> None:

@@ -391,7 +391,8 @@ class TrainerConfig(Section):
     overlap_rollout: bool = Field(
         False,
         description="generate the next step's experience while the learner trains "
-        "(one policy version behind; needs buffer.max_staleness >= 1; grpo, rloo_clipped)",
+        "(one policy version behind; needs buffer.max_staleness >= 1; the algorithms that declare TrainsOnStaleRows: "
+        "docs/configuration.md's rules list them)",
     )
 
 
@@ -798,7 +799,8 @@ def check_job(cfg: JobConfig, algorithm) -> None:
         if not isinstance(algorithm, TrainsOnStaleRows):
             raise ConfigError(
                 f"config error: 'trainer.overlap_rollout': algorithm '{name}' needs its "
-                f"rollout on the current policy (overlap: grpo, rloo_clipped)"
+                "rollout on the current policy (overlap takes an algorithm that declares TrainsOnStaleRows: the "
+                "rules in docs/configuration.md list them)"
             )
         if cfg.buffer.max_staleness < 1:
             raise ConfigError(

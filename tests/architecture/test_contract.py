@@ -260,6 +260,8 @@ SMALL = ["task.num_train=24", "task.num_eval=4", "rollout.max_new_tokens=4"]
 CASES = {  # each algorithm's own config, shrunk so one step takes about a second
     "grpo": ("configs/quickstart.yaml", [*SMALL, "algorithm.group_size=2"]),
     "ppo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=ppo", "algorithm.group_size=2"]),
+    "gspo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=gspo", "algorithm.group_size=2"]),
+    "cispo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=cispo", "algorithm.group_size=2"]),
     "rloo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=rloo", "algorithm.group_size=2"]),
     "rloo_clipped": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=rloo_clipped", "algorithm.group_size=2"]),
     "vineppo": ("configs/vineppo.yaml", [*SMALL, "algorithm.group_size=2", "algorithm.mc_rollouts=2"]),
