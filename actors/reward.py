@@ -40,6 +40,7 @@ class RewardWorker:
         self.task = task
         self.scorer = scorer
         self.row_metrics: OrderedDict[str, dict] = OrderedDict()  # uid -> the reward function's extra metrics
+        self.shaped_tokens: OrderedDict[str, list[float]] = OrderedDict()  # uid -> its shaped reward per token
         self.model = None
         if reward_model_dir is not None:
             self.reward_model = RewardModel(reward_model_dir)
@@ -67,7 +68,11 @@ class RewardWorker:
             return [o.reward for o in outcomes]
         if getattr(self.task, "shaping", None):  # task.shaping (envs/rewards.py): token lengths and ids
             ids = table.column("response_ids").to_pylist()
-            return [float(self.task.shaped_reward(meta, text, r).reward) for meta, text, r in zip(metas, texts, ids)]
+            shaped = [self.task.shaped_reward(meta, text, r) for meta, text, r in zip(metas, texts, ids)]
+            self.shaped_tokens.update(zip(table.column("uid").to_pylist(), (s.token_rewards for s in shaped)))
+            while len(self.shaped_tokens) > ROW_METRICS_KEPT:
+                self.shaped_tokens.popitem(last=False)
+            return [float(s.reward) for s in shaped]
         return [float(self.task.reward(meta, text)) for meta, text in zip(metas, texts)]
 
     def take_metrics(self) -> dict[str, float]:
@@ -79,6 +84,14 @@ class RewardWorker:
         value}; the newest ROW_METRICS_KEPT scored rows are kept), for the samples log."""
         named = lambda metrics: {self.scorer.metric_name(k): v for k, v in metrics.items()}
         return {uid: named(self.row_metrics.pop(uid)) for uid in uids if uid in self.row_metrics}
+
+    def take_token_rewards(self, uids: list[str]) -> list[list[float]] | None:
+        """The per-token form of these scored rows' shaped rewards (task.shaping: a dense penalty on
+        its tokens, the rest on the last token; each row's sums to its reward), or None when a row
+        has none (a task without shaping)."""
+        if not all(uid in self.shaped_tokens for uid in uids):
+            return None
+        return [self.shaped_tokens.pop(uid) for uid in uids]
 
     def heldout_rewards(self, texts: list[str], metas: list[dict]) -> list[float]:
         """The scorer's rewards of held-out responses, not counted in the step's metrics (a failed

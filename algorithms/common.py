@@ -153,10 +153,15 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def kl_penalised_rewards(reward: torch.Tensor, logprobs, ref_logprobs, mask, kl_coef: float) -> torch.Tensor:
-    """Per-token PPO rewards: -kl_coef * (logp - ref_logp) everywhere, plus the task reward
-    on each row's last masked token."""
+def kl_penalised_rewards(
+    reward: torch.Tensor, logprobs, ref_logprobs, mask, kl_coef: float, task_token_rewards=None
+) -> torch.Tensor:
+    """Per-token PPO rewards: -kl_coef * (logp - ref_logp) everywhere, plus the task reward on
+    each row's last masked token, or plus `task_token_rewards` ([B, T], the reward spread over
+    the tokens it is about: task.shaping's penalties) where given."""
     token_rewards = -kl_coef * (logprobs - ref_logprobs) * mask
+    if task_token_rewards is not None:
+        return token_rewards + task_token_rewards * mask
     last = last_token_index(mask)
     rows = torch.arange(mask.shape[0])
     token_rewards[rows, last] += reward * (mask.sum(1) > 0).to(reward.dtype)

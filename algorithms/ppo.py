@@ -51,6 +51,9 @@ class PPO(Algorithm):
 
     def rollout(self, ctx, prompts) -> pa.Table:
         table = sample_groups(ctx, prompts, self.config.group_size, with_ref=True)
+        shaped = ctx.token_rewards(table)  # task.shaping's penalties stay on their tokens for GAE
+        if shaped is not None:
+            table = set_token_column(table, "token_rewards", shaped)
         return set_token_column(table, "values", ctx.values(table))
 
     def prepare(self, table: pa.Table) -> TrainBatch:
@@ -61,12 +64,15 @@ class PPO(Algorithm):
 
 
 def ppo_prepare(batch: TrainBatch, c) -> TrainBatch:
-    """Per-token rewards (the task reward on each row's last masked token, -kl_coef * (logp -
-    ref_logp) on every masked token), GAE over the masked tokens (environment tokens between
-    turns stepped over), advantages whitened over the batch when `c.whiten_advantages`. `c`: any
-    config with PPOConfig's fields (CDG's online mode with `advantage: gae` too)."""
+    """Per-token rewards (the task reward on each row's last masked token, or the rows' own
+    per-token rewards where the rollout gave them (task.shaping); -kl_coef * (logp - ref_logp)
+    on every masked token), GAE over the masked tokens (environment tokens between turns stepped
+    over), advantages whitened over the batch when `c.whiten_advantages`. `c`: any config with
+    PPOConfig's fields (CDG's online mode with `advantage: gae` too)."""
     mask = batch.response_mask
-    batch.token_rewards = kl_penalised_rewards(batch.rewards, batch.old_logprobs, batch.ref_logprobs, mask, c.kl_coef)
+    batch.token_rewards = kl_penalised_rewards(
+        batch.rewards, batch.old_logprobs, batch.ref_logprobs, mask, c.kl_coef, batch.token_rewards
+    )
     advantages, batch.returns = gae(batch.token_rewards, batch.old_values, mask, c.gamma, c.lam)
     batch.advantages = masked_whiten(advantages, mask) if c.whiten_advantages else advantages
     return batch

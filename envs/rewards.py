@@ -18,9 +18,10 @@ name or `{name: {params}}`:
   over the response's token n-grams.
 
 Token-level penalties are *summed into the scalar reward* (`ShapedReward.reward`), which
-every algorithm consumes (with gamma = 1 this is the same return a per-token reward would
-give). `ShapedReward.token_rewards` keeps the dense form, the sequence-level part on the
-last token, summing to the same scalar, for an algorithm that assigns credit per token.
+every algorithm consumes. `ShapedReward.token_rewards` keeps the dense form, the sequence-level
+part on the last token, summing to the same scalar: PPO takes it (the reward actor keeps it per
+row, `take_token_rewards`), so GAE gives each penalty to the tokens before it, not to the
+whole response.
 
 `with_shaping(task, entries)` (called by `envs.registry.make_task`) returns the task wrapped
 so that its `shaping` attribute is the built `RewardShaping`; the reward actor applies it

@@ -158,6 +158,14 @@ class ActorContext:
         with self.timed("reward"):
             return ray.get(self.reward.score.remote(table))
 
+    def token_rewards(self, table):
+        """The per-token form of the rows' shaped rewards (`task.shaping` with a rule reward: each
+        dense penalty on its token), or None where the task has no shaping."""
+        if not getattr(self.task, "shaping", None) or self.cfg.reward.source != "rule":
+            return None
+        with self.timed("reward"):
+            return ray.get(self.reward.take_token_rewards.remote(table.column("uid").to_pylist()))
+
     def ref_logprobs(self, table):
         with self.timed("reference"):
             return ray.get(self.reference.logprobs.remote(table))

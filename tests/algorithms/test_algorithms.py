@@ -167,3 +167,24 @@ def test_kl_penalised_rewards_put_task_reward_on_last_token():
     tr2 = kl_penalised_rewards(torch.zeros(2), lp + 1.0, ref, mask, 0.1)
     assert torch.allclose(tr2, -0.1 * mask)
     assert masked_mean(torch.ones(2, 3), mask).item() == 1.0
+
+
+def test_shaping_rewards_per_token_land_on_their_tokens_in_ppos_returns():
+    """task.shaping's per-token rewards (a repetition penalty on the repeated tokens) reach GAE
+    where they are, not folded into the last token: with gamma = lambda = 1 and zero values a
+    token's return is the sum of the rewards from it on, so a penalty on token 1 lowers the
+    returns of tokens 0-1 only; folded, every token's return is the whole sum."""
+    from algorithms.ppo import PPOConfig, ppo_prepare
+    from rlsys.batch import collate
+    from rlsys.experience import make_experience
+
+    row = dict(uid="a", group="g", prompt_ids=[1, 2], response_ids=[5, 6, 7, 8], logprobs=[-1.0] * 4, reward=0.5)
+    row |= dict(policy_version=0, meta={}, ref_logprobs=[-1.0] * 4, values=[0.0] * 4)
+    per_token = [0.0, -0.25, 0.0, 0.75]  # sums to the reward: the penalty on token 1, the rest on the last
+    c = PPOConfig(kl_coef=0.0, gamma=1.0, lam=1.0, whiten_advantages=False)
+    spread = ppo_prepare(collate(make_experience([row | {"token_rewards": per_token}])), c)
+    folded = ppo_prepare(collate(make_experience([row])), c)
+    mask = spread.response_mask[0].bool()
+    assert spread.returns[0][mask].tolist() == pytest.approx([0.5, 0.5, 0.75, 0.75])
+    assert folded.returns[0][mask].tolist() == pytest.approx([0.5, 0.5, 0.5, 0.5])
+    assert spread.token_rewards[0][mask].tolist() == pytest.approx(per_token)

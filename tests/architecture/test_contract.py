@@ -351,6 +351,11 @@ class FakeContext:
         group-relative losses (GRPO, RLOO, a DPO pair, an AMPO group) no gradient."""
         return [r + 1e-3 * (i % 5) for i, r in enumerate(self.reward.score(table))]
 
+    def token_rewards(self, table):
+        if not getattr(self.task, "shaping", None):
+            return None
+        return self.reward.take_token_rewards(table.column("uid").to_pylist())
+
     def ref_logprobs(self, table):
         return self.reference.logprobs(table)
 

@@ -196,8 +196,17 @@ def test_make_task_and_reward_worker_apply_the_configured_shaping(tmp_path):
             for i, ids in enumerate([right, wrong])
         ]
     )
-    scores = RewardWorker(str(tmp_path / "policy"), task=task).score(table)
+    worker = RewardWorker(str(tmp_path / "policy"), task=task)
+    scores = worker.score(table)
     repeats = len(wrong) - len(set(wrong))
+    # the same rewards per token (what PPO's GAE takes): each repeat's penalty on its own token
+    tokens = worker.take_token_rewards(["0", "1"])
+    assert [sum(t) for t in tokens] == pytest.approx(scores) and [len(t) for t in tokens] == [len(right), len(wrong)]
+    seen = set()
+    for j, token in enumerate(wrong[:-1]):
+        assert tokens[1][j] == pytest.approx(-0.05 if token in seen else 0.0)
+        seen.add(token)
+    assert worker.take_token_rewards(["0"]) is None  # taken once
     assert scores[0] == pytest.approx(
         cosine_length_reward(len(right), True, 20) - 0.05 * (len(right) - len(set(right)))
     )
@@ -241,3 +250,6 @@ def test_grpo_with_shaping_on_a_local_cluster(ray_cluster, tmp_path):
             repetition_token_penalties(ids, 2)
         )
         assert reward == pytest.approx(expected, abs=1e-5)
+    # and per token through the context (what PPO's rollout asks): each row's sums to its reward
+    tokens = controller.ctx.token_rewards(table)
+    assert [sum(t) for t in tokens] == pytest.approx(table.column("reward").to_pylist(), abs=1e-5)
