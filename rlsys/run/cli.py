@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlsys: {e}", file=sys.stderr)
         return 128 + e.signum
     except RunFailed as e:
-        stop_ray()  # its log stream (a lost node's workers' dumps) would follow the one line
+        if argv is None:  # the program (not a caller in-process, whose Ray session goes on)
+            stop_ray()  # its log stream (a lost node's workers' dumps) would follow the one line
         # raised in a Ray actor: Ray's wrapper carries the traceback, its cause the one line
         cause = getattr(e, "cause", None)
         print(f"rlsys: {cause if isinstance(cause, RunFailed) else e}", file=sys.stderr)

@@ -518,6 +518,10 @@ def test_a_run_failed_raised_in_a_ray_actor_is_one_line(monkeypatch, capsys):
         traceback = 'Traceback (most recent call last):\n  File "reward.py", line 1\nRunFailed: ...'
         raise RayTaskError("RewardWorker.score", traceback, cause).as_instanceof_cause()
 
+    import ray
+
+    connected = ray.is_initialized()
     monkeypatch.setattr(cli, "_reward_check", fails)
     assert cli.main(["reward", "check", "any.yaml"]) == 1
     assert capsys.readouterr().err == "rlsys: reward function 'x' failed on 3 of 3 rows; last error: boom\n"
+    assert ray.is_initialized() == connected  # called in-process, main leaves the caller's Ray session alone
