@@ -133,7 +133,8 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
     try:
         started(
             [a.ready.remote() for p in policies.values() for a in p.learners]
-            + [w.policy_version.remote() for p in policies.values() for w in p.workers],
+            + [w.policy_version.remote() for p in policies.values() for w in p.workers]
+            + [service.__ray_ready__.remote() for service in run.services.values()],
             cfg.trainer.start_timeout_s,
         )
     except RunFailed:
@@ -152,7 +153,8 @@ def started(first_calls: list, timeout: float) -> None:
     if pending:
         free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
         raise RunFailed(
-            f"{len(pending)} of {len(first_calls)} rollout/learner actors did not start within {timeout:.0f} s "
+            f"{len(pending)} of {len(first_calls)} actors (learner, rollout, reference, reward, buffer) did not start "
+            f"within {timeout:.0f} s "
             f"(trainer.start_timeout_s); the cluster has {free:.2f} of {total:.0f} logical CPUs free: another "
             f"job on it, or too few CPUs (ray.num_cpus)"
         )

@@ -371,12 +371,13 @@ def test_zero3_learner_syncs_its_gathered_weights(ray_cluster, tmp_path):
     assert any(not np.array_equal(initial[k], learner[k]) for k in learner)
 
 
-def test_actors_the_cluster_cannot_place_fail_in_one_line(ray_cluster, tmp_path):
+@pytest.mark.parametrize("room", [0.5, 1.1])  # 1.1: the learner and the worker (0.5 each) fit, not all services
+def test_actors_the_cluster_cannot_place_fail_in_one_line(ray_cluster, tmp_path, room):
     """A cluster whose CPUs another job holds: the run stops with one line saying so, instead of
-    its actors pending forever."""
+    its actors (a service included) pending forever."""
     from rlsys.errors import RunFailed
 
-    hog = ray_cluster.remote(num_cpus=ray_cluster.cluster_resources()["CPU"] - 0.5)(
+    hog = ray_cluster.remote(num_cpus=ray_cluster.cluster_resources()["CPU"] - room)(
         type("Hog", (), {"ok": lambda self: 1})
     )
     hog = hog.remote()
