@@ -89,6 +89,16 @@ def every_rank(policies: dict[str, PolicyActors]) -> list:
     return [l for p in policies.values() for l in p.learners]
 
 
+def readmitted(load, sync) -> None:
+    """Wait for a restarted worker's load of the current weights (`sync`: an object-store or
+    shared-memory sync); one that fails as lost asks the learners first (`learners_alive`)."""
+    try:
+        ray.get(load)
+    except (*WORKER_LOST, ray.exceptions.ObjectLostError):
+        learners_alive(every_rank(sync.policies), sync.from_learners)
+        raise
+
+
 def send_through_object_store(p: PolicyActors, version: int, sent: InFlight, timeout: float, from_learners) -> None:
     """Rank 0's weights and their checksums into the object store, every worker loading them
     (awaited later, through `sent`); a policy larger than one bucket goes in buckets, awaited now."""
@@ -166,11 +176,7 @@ class ObjectStoreSync:
 
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]
-        try:
-            ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
-        except (*WORKER_LOST, ray.exceptions.ObjectLostError):
-            learners_alive(every_rank(self.policies), self.from_learners)
-            raise
+        readmitted(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest), self)
 
     def weights_ref(self, policy: str):
         return self.policies[policy].weights_ref
@@ -224,14 +230,10 @@ class SharedMemorySync:
 
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]
-        try:
-            if p.shared is None:
-                ray.get(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest))
-            else:
-                ray.get(worker.load_shared.remote(self.version, p.shared, self.version % SLOTS))
-        except (*WORKER_LOST, ray.exceptions.ObjectLostError):
-            learners_alive(every_rank(self.policies), self.from_learners)
-            raise
+        if p.shared is None:
+            readmitted(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest), self)
+        else:
+            readmitted(worker.load_shared.remote(self.version, p.shared, self.version % SLOTS), self)
 
     def weights_ref(self, policy: str):
         p = self.policies[policy]
