@@ -23,6 +23,7 @@ import torch
 from actors.modeling import (
     PolicyOnly,
     PolicyWithValueHead,
+    enable_activation_checkpointing,
     per_response_tokens,
     quiet_transformers,
     size_buckets,
@@ -31,7 +32,8 @@ from actors.modeling import (
 )
 from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
 from actors.weight_broadcast import BroadcastGroup, weight_manifest
-from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient
+from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs
+from rlsys.logprobs import mismatch_metrics
 from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
 from rlsys.weight_digest import digest
 
@@ -102,8 +104,12 @@ class Learner:
         total_steps: int = 0,
         min_lr_ratio: float = 0.0,
         bf16: bool = False,
+        gradient_checkpointing: bool = False,
     ):
-        """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step)."""
+        """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step).
+        `gradient_checkpointing`: the policy's decoder layers are recomputed in the backward instead of
+        keeping their activations (`enable_activation_checkpointing`; the same gradients, shared prompts
+        still run once)."""
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK="0",
@@ -137,6 +143,7 @@ class Learner:
             weight_decay=weight_decay,
             grad_clip=grad_clip if self.own_clip is None else 0.0,
             bf16=bf16,
+            gradient_checkpointing=gradient_checkpointing,
             schedule=partial(
                 lr_multiplier,
                 total_steps=total_steps,
@@ -153,11 +160,14 @@ class Learner:
 
     def _build_engine(self, model_dir: str):
         """A DeepSpeed engine over the policy in `model_dir` (plus a value head when the
-        algorithm needs one) with a fresh AdamW and lr schedule."""
+        algorithm needs one) with a fresh AdamW and lr schedule; its decoder layers checkpointed
+        under learner.gradient_checkpointing."""
         import deepspeed
 
         a = self._engine_args
         policy = load_model(model_dir)
+        if a["gradient_checkpointing"]:
+            enable_activation_checkpointing(policy)
         module = PolicyWithValueHead(policy) if self.algorithm.needs_value_head else PolicyOnly(policy)
         optimizer = torch.optim.AdamW(
             module.parameters(), lr=a["lr"], weight_decay=a["weight_decay"], fused=self.device.type == "cpu"
@@ -191,7 +201,14 @@ class Learner:
         (trainer.weight_sync=shared_memory) the new weights are then written into that slot."""
         start = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
-        n = 0
+        n, mismatch = 0, {}
+        proximal = isinstance(self.algorithm, UsesProximalLogprobs) and self.algorithm.proximal_logprobs_needed()
+        # the batch's old_logprobs are the sampler's: the gap to the learner's is measured each step
+        sampled = isinstance(self.algorithm, (UsesProximalLogprobs, TrainsOnStaleRows))
+        one_update = self.epochs == 1 and len(batch.split(self.minibatches)) == 1
+        if proximal and not one_update:  # the policy before the first update, for every minibatch
+            batch.proximal_logprobs = self._logprobs_before_update(batch)
+            mismatch = mismatch_metrics(batch.proximal_logprobs, batch.old_logprobs, batch.response_mask)
         self.engine.train()
         for _ in range(self.epochs):
             for mb in batch.split(self.minibatches):
@@ -200,6 +217,9 @@ class Learner:
                 logits, logprobs, values = self.engine(
                     mb.input_ids, mb.attention_mask, self.temperature, mb.response_mask
                 )  # rows sharing a prompt run it once
+                if n == 0 and sampled and not mismatch:  # no update yet: this forward is pi_prox
+                    mb.proximal_logprobs = logprobs.detach() if proximal else None
+                    mismatch = mismatch_metrics(logprobs, mb.old_logprobs, mb.response_mask)
                 loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
                 loss = loss * scale if scale != 1.0 else loss
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
@@ -221,9 +241,25 @@ class Learner:
         self.steps += 1
         if shared_slot is not None:
             self.write_shared(shared_slot)
-        out = {k: v / max(n, 1) for k, v in sums.items()}
+        out = {k: v / max(n, 1) for k, v in sums.items()} | mismatch
         out["time/train_rank"] = time.perf_counter() - start
         out["train_tokens"] = float(batch.num_tokens())
+        return out
+
+    @torch.no_grad()
+    def _logprobs_before_update(self, batch) -> torch.Tensor:
+        """log pi of every target token under the current weights, [B, L-1] as the batch's, by the
+        training forward's minibatches without gradient (the proximal policy of a step of several
+        optimizer steps)."""
+        self.engine.eval()
+        out = torch.zeros_like(batch.response_mask)
+        row = 0
+        for mb in batch.split(self.minibatches):
+            length = int(mb.attention_mask.sum(1).max())
+            mb = mb.trim().to(self.device)
+            logprobs = self.module(mb.input_ids, mb.attention_mask, self.temperature, mb.response_mask)[1]
+            out[row : row + len(mb), : length - 1] = logprobs.float().cpu()
+            row += len(mb)
         return out
 
     def _rows_with_gradient(self, mb):

@@ -4,12 +4,15 @@ state dicts, tied weights, in-place loads); the shared logprob forward lives in 
 from __future__ import annotations
 
 import os
+import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from rlsys.batch import collate, response_slices
 from rlsys.logprobs import response_logprobs
@@ -22,6 +25,92 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+
+
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Checkpoint each decoder layer of `model` (learner.gradient_checkpointing): in a training
+    forward with gradients a layer keeps only its inputs and runs again in the backward
+    (torch's non-reentrant checkpoint), for the same logprobs and gradients with less activation
+    memory. Returns the number of layers (the modules that are transformers'
+    `GradientCheckpointingLayer`s); ValueError when the model has none.
+
+    Not transformers' `activation_checkpointing_enable`: that turns `use_cache` off in training,
+    and the learner's shared-prompt forward (rlsys/logprobs.py `shared_prompt_passes`) needs the
+    prompt pass's cache, whose keys and values carry gradients to the prompt. Here the cache
+    stays on: a layer that writes it is recomputed on the cache as it was before the layer's
+    forward, and the cache is put back as it was after the recompute (`_replaying`), so the
+    backward neither appends to it twice nor reads keys the later pass added. The layers'
+    state dict names are unchanged (each layer's `forward` is replaced on the instance)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layers to checkpoint (no GradientCheckpointingLayer)")
+    for layer in layers:
+        layer.forward = types.MethodType(_checkpointed_layer_forward, layer)  # a deepcopy rebinds it to the copy
+    return len(layers)
+
+
+def _checkpointed_layer_forward(self, *args, **kwargs):
+    """A decoder layer's forward under torch's non-reentrant checkpoint when it trains with
+    gradients (transformers' condition), else as it is."""
+    forward = partial(type(self).forward, self)  # transformers' own checkpointing is off: the plain forward
+    if not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return checkpoint(_replaying(forward, cache), *args, use_reentrant=False, **kwargs)
+
+
+def _replaying(forward: Callable, cache) -> Callable:
+    """`forward` for a checkpoint when the layer may write a KV cache (DynamicCache: its layers
+    rebind their tensors, never write into them). The first call is the forward and notes which
+    cache layers it changed and their state before it; each later call (the recompute in the
+    backward, after later passes changed the cache) runs on that earlier state and then puts the
+    cache back as it found it."""
+    if cache is None:
+        return forward
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    kinds = {type(cache)} | {type(layer) for layer in cache.layers}
+    if not kinds <= {DynamicCache, DynamicLayer, DynamicSlidingWindowLayer}:
+        raise TypeError(
+            f"activation checkpointing on a {type(cache).__name__} with {sorted(k.__name__ for k in kinds)}: only a "
+            "DynamicCache of dynamic (full or sliding) layers can be replayed in the backward"
+        )
+    layers = list(cache.layers)  # a cache made without a config appends its layers as they first write
+    before: list[dict] | None = [dict(layer.__dict__) for layer in layers]
+    written: list[tuple[int, dict]] | None = None  # (index, state before the forward) of the layers it changed
+
+    def run(*args, **kwargs):
+        nonlocal before, written
+        if written is None:  # the forward
+            out = forward(*args, **kwargs)
+            written = [(i, state) for i, state in enumerate(before) if _changed(layers[i], state)]
+            before = None  # keep only the states a recompute needs
+            return out
+        live_layers = list(cache.layers)
+        live = [(i, dict(layers[i].__dict__)) for i, _ in written]
+        cache.layers[:] = layers
+        for i, state in written:
+            _set_state(layers[i], state)
+        try:
+            return forward(*args, **kwargs)
+        finally:  # also when the checkpoint stops the recompute early
+            cache.layers[:] = live_layers
+            for i, state in live:
+                _set_state(layers[i], state)
+
+    return run
+
+
+def _changed(layer, state: dict) -> bool:
+    now = layer.__dict__
+    return now.keys() != state.keys() or any(now[k] is not v for k, v in state.items())
+
+
+def _set_state(layer, state: dict) -> None:
+    layer.__dict__.clear()
+    layer.__dict__.update(state)
 
 
 class PolicyWithValueHead(nn.Module):

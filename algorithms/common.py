@@ -8,10 +8,13 @@ loss, statistic or gradient.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
+from pydantic import Field
+
+from rlsys.contract import AlgorithmConfig
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -99,18 +102,91 @@ def broadcast_to_tokens(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch
     return per_sequence[:, None].to(mask.dtype) * mask
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps: float = 0.2, aggregate=masked_mean):
-    """PPO surrogate: -min(ratio*A, clip(ratio, 1-eps, 1+eps)*A), reduced by `aggregate(x, mask)`
-    (the masked token mean unless given). Returns (loss, clip_fraction, approx_kl)."""
+def clipped_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_eps: float = 0.2,
+    aggregate=masked_mean,
+    clip_eps_high: float | None = None,
+    weights=None,
+):
+    """PPO surrogate: -min(ratio*A, clip(ratio, 1-eps, 1+eps_high)*A) (eps_high = eps unless
+    given: DAPO's clip-higher), each token's term times `weights` where given (the off-policy
+    correction's, `behaviour_weights`), reduced by `aggregate(x, mask)` (the masked token mean
+    unless given). Returns (loss, clip_fraction, approx_kl)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = aggregate(-torch.min(unclipped, clipped), mask)
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * advantages
+    surrogate = -torch.min(unclipped, clipped)
+    loss = aggregate(surrogate if weights is None else surrogate * weights, mask)
     with torch.no_grad():
-        clip_frac = masked_mean((torch.abs(ratio - 1.0) > clip_eps).float(), mask)
+        clip_frac = masked_mean(((ratio < 1.0 - clip_eps) | (ratio > 1.0 + high)).float(), mask)
         approx_kl = masked_mean(0.5 * log_ratio**2, mask)
     return loss, clip_frac, approx_kl
+
+
+# ---- off-policy corrections: the sampler's policy is not the learner's ------------------------
+# pi_behav: the sampler's logprobs (`batch.old_logprobs`: the rollout engine's, possibly a policy
+# version or more behind, and never bit-equal to the learner's forward); pi_prox: the learner's
+# logprobs of the same tokens before this step's update (`batch.proximal_logprobs`, set by the
+# learner when the algorithm's `proximal_logprobs_needed()` says so). With a correction the PPO
+# ratio is pi_theta / pi_prox and each token's term is weighted by rho = pi_prox / pi_behav:
+#   decoupled  w = rho                          (Hilton et al. 2021; AReaL, Fu et al. 2025, eq. 5)
+#   tis        w = min(rho, C)                  (truncated IS, Yao et al. 2025)
+#   mis        w = rho if rho <= C else 0       (masked IS, Liu et al. 2025; AReaL's weight cap)
+OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis", "mis")
+
+
+class OffPolicyCorrectionConfig(AlgorithmConfig):
+    """The off-policy correction keys of an algorithm whose loss is the PPO clipped surrogate."""
+
+    off_policy_correction: Literal["none", "decoupled", "tis", "mis"] = Field(
+        "none",
+        description="how the loss corrects for the sampler's policy not being the learner's: none: the ratio to "
+        "the sampler's logprobs; decoupled: the ratio to the learner's logprobs before the update, each token "
+        "weighted by rho = pi_learner / pi_sampler; tis: that weight truncated at is_cap; mis: tokens whose rho "
+        "exceeds is_cap masked out (the last three cost a forward without gradient when a step is several "
+        "optimizer steps)",
+    )
+    is_cap: float = Field(
+        2.0, gt=0, description="C, the cap of rho in tis (min(rho, C)) and mis (rho > C masked); 2.0, Yao et al.'s"
+    )
+
+
+def behaviour_weights(proximal_logprobs, behaviour_logprobs, correction: str, cap: float) -> torch.Tensor:
+    """Each token's weight w (no gradient) for `correction` (one of OFF_POLICY_CORRECTIONS but
+    "none"), from rho = exp(proximal - behaviour) and the cap C."""
+    with torch.no_grad():
+        rho = torch.exp(proximal_logprobs - behaviour_logprobs)
+        if correction == "decoupled":
+            return rho
+        if correction == "tis":
+            return torch.clamp(rho, max=cap)
+        if correction == "mis":
+            return torch.where(rho <= cap, rho, torch.zeros_like(rho))
+    raise ValueError(f"unknown off-policy correction {correction!r} (known: {', '.join(OFF_POLICY_CORRECTIONS)})")
+
+
+def corrected_ratio_inputs(batch, correction: str, cap: float):
+    """(the logprobs the PPO ratio divides by, the per-token weights or None, metrics): the
+    sampler's logprobs and no weights for "none"; the learner's proximal logprobs and
+    `behaviour_weights` otherwise."""
+    if correction == "none":
+        return batch.old_logprobs, None, {}
+    if batch.proximal_logprobs is None:
+        raise ValueError(f"off-policy correction {correction!r} needs the learner's proximal logprobs in the batch")
+    weights = behaviour_weights(batch.proximal_logprobs, batch.old_logprobs, correction, cap)
+    mask = batch.response_mask
+    rho = torch.exp(batch.proximal_logprobs - batch.old_logprobs)
+    metrics = {
+        "is/weight_mean": masked_mean(weights, mask).item(),
+        "is/capped_frac": masked_mean((rho > cap).float(), mask).item(),  # truncated (tis) or masked (mis)
+    }
+    return batch.proximal_logprobs, weights, metrics
 
 
 def rows_with_gradient(batch, kl_coef: float) -> torch.Tensor:
@@ -123,16 +199,27 @@ def rows_with_gradient(batch, kl_coef: float) -> torch.Tensor:
     return ((batch.advantages != 0) & (batch.response_mask > 0)).any(dim=1)
 
 
-def clipped_policy_loss_with_kl(logprobs, batch, clip_eps: float, kl_coef: float, aggregate=masked_mean):
+def clipped_policy_loss_with_kl(
+    logprobs,
+    batch,
+    clip_eps: float,
+    kl_coef: float,
+    aggregate=masked_mean,
+    clip_eps_high: float | None = None,
+    correction: str = "none",
+    cap: float = 2.0,
+):
     """The PPO clipped surrogate on `batch.advantages` plus `kl_coef * k3(pi, ref)` as a loss
     (GRPO's objective, shared by the algorithms built on it), both per-token terms reduced by
-    `aggregate(x, mask)` (the masked token mean unless given). Returns (loss, metrics); the
-    `kl_ref` metric is the token mean of k3 whatever the aggregate."""
+    `aggregate(x, mask)` (the masked token mean unless given); the surrogate under the
+    off-policy `correction` (`corrected_ratio_inputs`). Returns (loss, metrics); the `kl_ref`
+    metric is the token mean of k3 whatever the aggregate."""
     mask = batch.response_mask
+    old, weights, metrics = corrected_ratio_inputs(batch, correction, cap)
     loss, clip_frac, approx_kl = clipped_policy_loss(
-        logprobs, batch.old_logprobs, batch.advantages, mask, clip_eps, aggregate
+        logprobs, old, batch.advantages, mask, clip_eps, aggregate, clip_eps_high, weights
     )
-    metrics = {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
+    metrics |= {"loss/policy": loss.item(), "clip_frac": clip_frac.item(), "approx_kl_old": approx_kl.item()}
     if kl_coef > 0:
         kl = k3_kl(logprobs, batch.ref_logprobs)
         loss = loss + kl_coef * aggregate(kl, mask)

@@ -32,6 +32,7 @@ from pydantic import Field, model_validator
 
 from algorithms.base import register, rewards_of, sample_groups
 from algorithms.common import (
+    OffPolicyCorrectionConfig,
     broadcast_to_tokens,
     clipped_policy_loss_with_kl,
     group_stats,
@@ -43,15 +44,15 @@ from algorithms.common import (
 from rlsys.batch import TrainBatch, collate
 from rlsys.contract import (
     Algorithm,
-    AlgorithmConfig,
     ModelOutputs,
     ReportsPrepareMetrics,
     SkipsRowsWithoutGradient,
     TrainsOnStaleRows,
+    UsesProximalLogprobs,
 )
 
 
-class GRPOConfig(AlgorithmConfig):
+class GRPOConfig(OffPolicyCorrectionConfig):
     """GRPO (Shao et al. 2024): group-relative advantages, no critic, k3 KL to the reference as a loss."""
 
     group_size: int = Field(
@@ -93,7 +94,7 @@ class GRPOConfig(AlgorithmConfig):
 
 
 @register("grpo")
-class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows):
+class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs):
     Config = GRPOConfig
     needs_value_head = False
 
@@ -118,9 +119,20 @@ class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnS
             return torch.ones(len(batch), dtype=torch.bool)
         return rows_with_gradient(batch, self.config.kl_coef)
 
+    def proximal_logprobs_needed(self) -> bool:
+        return self.config.off_policy_correction != "none"
+
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         c = self.config
-        return clipped_policy_loss_with_kl(outputs.logprobs, batch, c.clip_eps, c.kl_coef, self._aggregate)
+        return clipped_policy_loss_with_kl(
+            outputs.logprobs,
+            batch,
+            c.clip_eps,
+            c.kl_coef,
+            self._aggregate,
+            correction=c.off_policy_correction,
+            cap=c.is_cap,
+        )
 
 
 def loss_aggregate(config: GRPOConfig):

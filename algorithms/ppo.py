@@ -13,18 +13,20 @@ from pydantic import Field
 
 from algorithms.base import register, sample_groups, set_token_column
 from algorithms.common import (
+    OffPolicyCorrectionConfig,
     clipped_policy_loss,
     clipped_value_loss,
+    corrected_ratio_inputs,
     gae,
     kl_penalised_rewards,
     masked_mean,
     masked_whiten,
 )
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs
+from rlsys.contract import Algorithm, ModelOutputs, UsesProximalLogprobs
 
 
-class PPOConfig(AlgorithmConfig):
+class PPOConfig(OffPolicyCorrectionConfig):
     """PPO (Ouyang et al. 2022): a value head on the policy, GAE, the KL penalty in the per-token reward."""
 
     group_size: int = Field(1, ge=1, description="responses sampled per prompt")
@@ -42,7 +44,7 @@ class PPOConfig(AlgorithmConfig):
 
 
 @register("ppo")
-class PPO(Algorithm):
+class PPO(Algorithm, UsesProximalLogprobs):
     Config = PPOConfig
     needs_value_head = True
 
@@ -59,8 +61,12 @@ class PPO(Algorithm):
     def prepare(self, table: pa.Table) -> TrainBatch:
         return ppo_prepare(collate(table), self.config)
 
+    def proximal_logprobs_needed(self) -> bool:
+        return self.config.off_policy_correction != "none"
+
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
-        return ppo_loss(outputs, batch, self.config)
+        c = self.config
+        return ppo_loss(outputs, batch, c, c.off_policy_correction, c.is_cap)
 
 
 def ppo_prepare(batch: TrainBatch, c) -> TrainBatch:
@@ -78,11 +84,13 @@ def ppo_prepare(batch: TrainBatch, c) -> TrainBatch:
     return batch
 
 
-def ppo_loss(outputs: ModelOutputs, batch: TrainBatch, c):
-    """Clipped surrogate + vf_coef * clipped value loss, with the KL to the reference reported."""
+def ppo_loss(outputs: ModelOutputs, batch: TrainBatch, c, correction: str = "none", cap: float = 2.0):
+    """Clipped surrogate (under the off-policy `correction`, `corrected_ratio_inputs`) + vf_coef *
+    clipped value loss, with the KL to the reference reported."""
     mask = batch.response_mask
+    old, weights, corrected = corrected_ratio_inputs(batch, correction, cap)
     policy_loss, clip_frac, approx_kl = clipped_policy_loss(
-        outputs.logprobs, batch.old_logprobs, batch.advantages, mask, c.clip_eps
+        outputs.logprobs, old, batch.advantages, mask, c.clip_eps, weights=weights
     )
     value_loss = clipped_value_loss(outputs.values, batch.old_values, batch.returns, mask, c.value_clip)
     loss = policy_loss + c.vf_coef * value_loss
@@ -93,4 +101,5 @@ def ppo_loss(outputs: ModelOutputs, batch: TrainBatch, c):
         "clip_frac": clip_frac.item(),
         "approx_kl_old": approx_kl.item(),
         "kl_ref": kl.item(),
+        **corrected,
     }

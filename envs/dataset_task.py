@@ -31,13 +31,17 @@ from rlsys.prompts import chat_prompt, context_length, has_chat_template, text_p
 Messages = list[dict[str, str]]
 
 
-def row_problem(row: Any, prompt_key: str, answer_key: str) -> str | None:
-    """What is wrong with a row (missing key, empty prompt, wrong type, malformed messages), or None."""
+def row_problem(row: Any, prompt_key: str, answer_key: str, text_keys: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with a row (missing key, empty prompt, wrong type, malformed messages, a
+    `text_keys` column that is not a string), or None."""
     if not isinstance(row, dict):
         return f"expected an object, got {type(row).__name__}"
-    for key in (prompt_key, answer_key):
+    for key in (prompt_key, answer_key, *text_keys):
         if row.get(key) is None:
             return f"missing key '{key}'"
+    for key in text_keys:
+        if not isinstance(row[key], str):
+            return f"'{key}' is {type(row[key]).__name__}: expected a string"
     prompt, answer = row[prompt_key], row[answer_key]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -74,10 +78,12 @@ def messages_problem(messages: list) -> str | None:
     return None
 
 
-def checked_rows(rows: list, path: Path, prompt_key: str, answer_key: str) -> list[dict]:
+def checked_rows(
+    rows: list, path: Path, prompt_key: str, answer_key: str, text_keys: tuple[str, ...] = ()
+) -> list[dict]:
     """The rows, or a DatasetError naming the file, the first bad row (1-based) and what is wrong."""
     for i, row in enumerate(rows, 1):
-        problem = row_problem(row, prompt_key, answer_key)
+        problem = row_problem(row, prompt_key, answer_key, text_keys)
         if problem:
             raise DatasetError(f"dataset {path} row {i}: {problem}")
     return rows
@@ -121,6 +127,8 @@ class DatasetTask:
     answer_key: str = "answer"
     system_prompt: str | None = None
     chat_template: bool | None = None
+    demonstration_key: str | None = None
+    flawed_demonstration_key: str | None = None
     name: str = "dataset"
     _rows: dict[str, list[dict]] = field(default_factory=dict, repr=False)
     _budget: tuple | None = field(default=None, repr=False)
@@ -134,6 +142,8 @@ class DatasetTask:
             answer_key=task_cfg.answer_key,
             system_prompt=task_cfg.system_prompt,
             chat_template=task_cfg.chat_template,
+            demonstration_key=task_cfg.demonstration_key,
+            flawed_demonstration_key=task_cfg.flawed_demonstration_key,
         )
 
     def path(self, split: str) -> Path:
@@ -143,7 +153,8 @@ class DatasetTask:
         """The split's rows (read and checked once), less any prompts `fit_prompts` dropped."""
         if split not in self._rows:
             path = self.path(split)
-            self._rows[split] = checked_rows(load_rows(path), path, self.prompt_key, self.answer_key)
+            demos = tuple(k for k in (self.demonstration_key, self.flawed_demonstration_key) if k and split == "train")
+            self._rows[split] = checked_rows(load_rows(path), path, self.prompt_key, self.answer_key, demos)
         return list(self._rows[split])
 
     # ---- prompts --------------------------------------------------------------------------
@@ -210,8 +221,18 @@ class DatasetTask:
         return str(row[self.answer_key])
 
     def demonstration(self, row: dict) -> str:
-        """What the supervised warm-up teaches the model to answer: the reference answer."""
-        return self.answer(row)
+        """What the supervised warm-up teaches the model to answer: the demonstration column
+        (`task.demonstration_key`, a worked solution), else the reference answer."""
+        return str(row[self.demonstration_key]) if self.demonstration_key else self.answer(row)
+
+    @property
+    def flawed_demonstration(self):
+        """row -> the row taught with its flawed demonstration (`task.flawed_demonstration_key`) in
+        place of its demonstration; None when the dataset names no such column."""
+        if self.flawed_demonstration_key is None:
+            return None
+        target = self.demonstration_key or self.answer_key
+        return lambda row: {**row, target: row[self.flawed_demonstration_key]}
 
     def is_correct(self, row: dict, response_text: str) -> bool:
         return normalize_text(response_text) == normalize_text(self.answer(row))
@@ -224,5 +245,5 @@ class DatasetTask:
         lines = []
         for row in self.rows("train"):
             turns = "\n".join(f"{m['role']}\n{m['content']}" for m in self.messages(row))
-            lines.append(f"{turns}\nassistant\n{self.answer(row)}")
+            lines.append(f"{turns}\nassistant\n{self.demonstration(row)}")
         return lines

@@ -33,7 +33,8 @@ class TrainBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
-    old_logprobs: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None  # the sampler's (the behaviour policy's)
+    proximal_logprobs: Optional[torch.Tensor] = None  # the learner's before this step's update (set by the learner)
     ref_logprobs: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None

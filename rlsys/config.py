@@ -141,6 +141,18 @@ class TaskConfig(Section):
         description="dataset: the column of the reference answer (a string or a number); the whole row, "
         "every column, reaches the reward function",
     )
+    demonstration_key: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="dataset: the column the supervised warm-up teaches as the response (a worked solution); "
+        "null: the answer column",
+    )
+    flawed_demonstration_key: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="dataset: the column of a flawed demonstration of each row (a solution with a wrong step), "
+        "taught in place of the demonstration with probability sft.demo_error; null: none (sft.demo_error 0)",
+    )
     system_prompt: Optional[str] = Field(
         None,
         description="dataset: a system message put before each prompt that has none of its own (null: none)",
@@ -202,7 +214,7 @@ class SFTConfig(Section):
         ge=0,
         le=1,
         description="probability that a warm-up demonstration is the task's "
-        "flawed one (arithmetic: carries dropped), like imperfect SFT data",
+        "flawed one (arithmetic: carries dropped; dataset: task.flawed_demonstration_key), like imperfect SFT data",
     )
     batch_size: int = Field(32, ge=1, description="demonstrations per warm-up step")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate of the warm-up")
@@ -323,6 +335,12 @@ class LearnerConfig(Section):
     minibatches: int = Field(1, ge=1, description="shards of each rank's batch per epoch, one optimizer step each")
     threads: int = Field(1, ge=1, description="torch CPU threads of each learner rank")
     bf16: bool = Field(False, description="DeepSpeed bf16 (CUDA learners)")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="activation checkpointing: each decoder layer of the policy keeps only its input in the "
+        "training forward and runs again in the backward (less activation memory, about one more forward of "
+        "compute per step; the same gradients); rows sharing a prompt still run it once",
+    )
 
 
 class TrainerConfig(Section):

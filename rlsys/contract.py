@@ -63,6 +63,7 @@ class RolloutContext(Protocol):
 
     def sampling(self, **overrides) -> SamplingParams: ...
     def next_seed(self) -> int: ...
+    def more_prompts(self, n: int) -> list[Prompt]: ...  # the next n of the run's prompt stream (DAPO's refill)
     def generate(self, requests: Sequence[GenerationRequest], policy: str | None = None) -> list[Generation]: ...
     def generate_each(
         self, requests_by_policy: dict[str, Sequence[GenerationRequest]]
@@ -156,6 +157,16 @@ class TrainsSeveralPolicies(Protocol):
     def split_by_policy(self, table: pa.Table) -> dict[str, pa.Table]: ...
 
 
+@runtime_checkable
+class UsesProximalLogprobs(Protocol):
+    """The loss reads `batch.proximal_logprobs`, the learner's logprobs of the step's rows before
+    the step's first update (an off-policy correction: algorithms/common.py `behaviour_weights`);
+    the learner computes them when `proximal_logprobs_needed()` says so (from the loss's own
+    forward when the step is one optimizer step, by a forward without gradient first otherwise)."""
+
+    def proximal_logprobs_needed(self) -> bool: ...
+
+
 class TrainsOnStaleRows:
     """A marker: rows one policy version old are corrected by the loss (the clipped ratio to
     their rollout logprobs), so the rollout may run ahead of the learner
@@ -171,6 +182,7 @@ CAPABILITIES: tuple[type, ...] = (
     HasTeacher,
     RestartsPolicy,
     TrainsSeveralPolicies,
+    UsesProximalLogprobs,
     TrainsOnStaleRows,
 )
 

@@ -70,6 +70,8 @@ def shared_prompt_passes(
     lengths = attention_mask.sum(1)
     if bool((plen >= lengths).any()) or bool((plen < 1).any()):
         return None
+    if model.training and torch.is_grad_enabled() and getattr(model, "is_activation_checkpointing", False):
+        return None  # transformers' own checkpointing turns the cache off (actors/modeling.py's keeps it)
     p = int(plen.max())
     keyed = torch.where(torch.arange(p, device=input_ids.device)[None] < plen[:, None], input_ids[:, :p], -1)
     distinct, row_of = torch.unique(keyed, dim=0, return_inverse=True)
@@ -130,3 +132,17 @@ def response_logprobs(
         return shared
     out = forward_logprobs(model, input_ids, attention_mask, temperature)
     return out if hidden else out[:2]
+
+
+@torch.no_grad()
+def mismatch_metrics(learner_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far the sampler's logprobs are from the learner's on the same tokens (before the
+    update), over the tokens where `mask` is 1: `mismatch/logprob_abs`, the token mean of
+    |log pi_behav - log pi_learner|, and `mismatch/kl`, KL(pi_behav || pi_learner) by the k3
+    estimator on the sampled tokens (r - 1 - log r with r = pi_learner / pi_behav, >= 0)."""
+    log_r = (learner_logprobs - behaviour_logprobs) * mask
+    tokens = mask.sum().clamp(min=1.0)
+    return {
+        "mismatch/logprob_abs": (log_r.abs().sum() / tokens).item(),
+        "mismatch/kl": ((torch.exp(log_r) - 1.0 - log_r) * mask).sum().item() / tokens.item(),
+    }

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from rlsys.config import ConfigError, JobConfig
 
 
@@ -23,6 +25,7 @@ class Logger(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
     def log_eval(self, step: int, name: str, metrics: dict[str, float], policy_version: int) -> None: ...
     def log_samples(self, step: int, samples: list[dict]) -> None: ...
+    def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> None: ...
     def close(self, failed: bool) -> None: ...
 
 
@@ -67,6 +70,12 @@ class Tracker:
         if samples:
             for logger in self.loggers:
                 logger.log_samples(step, samples)
+
+    def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> None:
+        """Distributions of a step (each token's staleness, ...) in the loggers that draw them; the
+        jsonl files keep the scalars the step logs of them (`staleness/mean`, `staleness/max`)."""
+        for logger in self.loggers:
+            logger.log_histograms(step, values)
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (a resumed run logs them again)."""
@@ -118,6 +127,12 @@ class TensorBoardLogger:
         self.writer.add_text("samples", "\n".join(table), step)
         self.writer.flush()
 
+    def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> None:
+        for name, v in values.items():
+            if len(v):
+                self.writer.add_histogram(name, np.asarray(v), step)
+        self.writer.flush()
+
     def close(self, failed: bool) -> None:
         self.writer.close()
 
@@ -156,6 +171,9 @@ class WandbLogger:
         keys = _columns(samples)
         rows = [[_scalar(s.get(k)) for k in keys] for s in samples]
         self.run.log({"samples": self.wandb.Table(columns=keys, data=rows), "step": step})
+
+    def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> None:
+        self.run.log({**{k: self.wandb.Histogram(np.asarray(v)) for k, v in values.items() if len(v)}, "step": step})
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -209,6 +227,9 @@ class MlflowLogger:
         keys = _columns(samples)
         table = {k: [_scalar(s.get(k)) for s in samples] for k in keys}
         self.client.log_table(self.run_id, data=table, artifact_file=f"samples/step_{step:06d}.json")
+
+    def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> None:
+        """mlflow has no histograms: the step's scalars of them (`staleness/mean`, `/max`) are logged."""
 
     def close(self, failed: bool) -> None:
         status = self.RunStatus.to_string(self.RunStatus.FAILED if failed else self.RunStatus.FINISHED)

@@ -99,6 +99,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
                 master_port=port,
                 seed=cfg.run.seed,
                 bf16=l.bf16,
+                gradient_checkpointing=l.gradient_checkpointing,
                 **learner_schedule(cfg),
             )
         )

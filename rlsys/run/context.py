@@ -71,6 +71,7 @@ class ActorContext:
         self.reference_version = None  # the policy version the reference holds (None: the initial policy)
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
+        self.prompt_stream = None  # the run's PromptStream (its cursor is checkpointed), set by the controller
 
     @property
     def workers(self) -> list:
@@ -99,6 +100,10 @@ class ActorContext:
 
     def next_seed(self) -> int:
         return int(self.rng.integers(0, 2**31 - 1))
+
+    def more_prompts(self, n: int) -> list:
+        """The next n prompts of the run's stream, beyond the step's (DAPO refills its groups)."""
+        return self.prompt_stream.next(n)
 
     def settle_sync(self) -> None:
         """Wait for the weight sync sent last; its errors (a dead learner rank, a worker that

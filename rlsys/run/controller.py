@@ -11,6 +11,7 @@ import json
 import sys
 import time
 import weakref
+from math import comb
 from pathlib import Path
 
 import numpy as np
@@ -94,10 +95,10 @@ class Controller:
                 if isinstance(self.algorithm, HasWarmupTask)
                 else self.task
             )
-            if cfg.sft.demo_error and not hasattr(warm, "flawed_demonstration"):
+            if cfg.sft.demo_error and getattr(warm, "flawed_demonstration", None) is None:
                 raise ConfigError(
                     f"config error: 'sft.demo_error'={cfg.sft.demo_error}: task '{cfg.task.name}' has no "
-                    f"flawed demonstrations (allowed: 0)"
+                    f"flawed demonstrations (allowed: 0; a dataset names them by task.flawed_demonstration_key)"
                 )
             warmup(
                 model,
@@ -157,6 +158,7 @@ class Controller:
         self.stream = PromptStream(
             [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))], cfg.run.seed
         )
+        self.ctx.prompt_stream = self.stream
         self.rollouts = RolloutSource(
             self.algorithm,
             self.ctx,
@@ -241,26 +243,34 @@ class Controller:
         """A reward function's extra metrics of these rows (uid -> metrics); {} without one."""
         return ray.get(self.reward.take_row_metrics.remote(uids)) if uids and self.reward_has_scorer else {}
 
-    def evaluate(self, split: str = "eval", greedy: bool | None = None) -> dict[str, float]:
+    def evaluate(self, split: str = "eval", greedy: bool | None = None, samples: int = 1) -> dict[str, float]:
         """Accuracy on a split through the rollout workers (current policy version): greedy
         unless `rollout.eval_greedy` is off (or `greedy=False`), then pass@1 at the rollout
-        temperature. With a reward function or server, a response is correct where its reward is
-        >= 1 (as `accuracy/train`) and the mean reward is reported too; else the task's
-        `is_correct` decides. An algorithm with an `evaluate` hook measures it its own way."""
+        temperature, over `samples` responses per prompt, with `pass@k` for k = 2, 4, ... up to
+        `samples` (`pass_at_k`). With a reward function or server, a response is correct where
+        its reward is >= 1 (as `accuracy/train`) and the mean reward is reported too; else the
+        task's `is_correct` decides. An algorithm with an `evaluate` hook measures it its own way."""
         rows = self.task.rows(split)
         prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
         greedy = self.cfg.rollout.eval_greedy if greedy is None else greedy
-        params = self.ctx.sampling(n=1, temperature=0.0 if greedy else self.cfg.rollout.temperature, seed=12345)
+        temperature = 0.0 if greedy else self.cfg.rollout.temperature
+        params = self.ctx.sampling(n=1 if greedy else samples, temperature=temperature, seed=12345)
         if isinstance(self.algorithm, EvaluatesItself):  # its own protocol (RLEF: multi-turn episodes, 1@3)
             return {**self.algorithm.evaluate(self.ctx, prompts, params), "n": float(len(prompts))}
         gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
         texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
         metas = [prompts[g.request_index].meta for g in gens]
+        extra = {}
         if self.reward_has_scorer:
             rewards = np.asarray(ray.get(self.reward.heldout_rewards.remote(texts, metas)))
-            return {"accuracy": float((rewards >= 1.0).mean()), "reward": float(rewards.mean()), "n": float(len(texts))}
-        correct = [self.task.is_correct(meta, t) for meta, t in zip(metas, texts)]
-        return {"accuracy": float(np.mean(correct)), "n": float(len(correct))}
+            correct, extra = rewards >= 1.0, {"reward": float(rewards.mean())}
+        else:
+            correct = np.array([self.task.is_correct(meta, t) for meta, t in zip(metas, texts)])
+        if params.n > 1:
+            per_prompt = np.bincount([g.request_index for g in gens], weights=correct, minlength=len(prompts))
+            ks = [2**i for i in range(1, int(np.log2(params.n)) + 1)]
+            extra |= {f"pass@{k}": pass_at_k(per_prompt, params.n, k) for k in ks}
+        return {"accuracy": float(np.mean(correct)), **extra, "n": float(len(correct))}
 
     def save_checkpoint(self, metrics: dict | None = None) -> Path:
         return checkpointing.save(self, metrics)
@@ -330,6 +340,12 @@ class Controller:
         if self.ctx.sandbox is not None:
             self.ctx.sandbox.close()
         tracker.close()
+
+
+def pass_at_k(correct_per_prompt, n: int, k: int) -> float:
+    """The unbiased pass@k over prompts with n samples each, c of them correct (Chen et al. 2021):
+    mean over prompts of 1 - C(n - c, k) / C(n, k)."""
+    return float(np.mean([1.0 - comb(n - int(c), k) / comb(n, k) for c in correct_per_prompt]))
 
 
 def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):

@@ -23,7 +23,7 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
     """Steps until trainer.steps; returns the last held-out evaluation."""
     cfg = run.cfg
     while run.step < cfg.trainer.steps:
-        metrics, rows = update(run)  # sample -> prepare -> train -> sync
+        metrics, rows, staleness = update(run)  # sample -> prepare -> train -> sync
         last_step = run.step == cfg.trainer.steps
         # evaluate: attached evaluators at every step boundary, the held-out split as due
         handoff = time.perf_counter()
@@ -44,6 +44,7 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
             metrics["time/checkpoint"] = run.ctx.timings["checkpoint"]
         # log
         tracker.log(run.step, metrics)
+        tracker.log_histograms(run.step, {"staleness": staleness})
         shown = rows.slice(0, cfg.trainer.log_samples)
         extra = run.row_reward_metrics(shown.column("uid").to_pylist())  # a reward function's, per row
         tracker.log_samples(run.step, rollout_samples(shown, run.tokenizer, extra))
@@ -55,8 +56,9 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
     return last_eval
 
 
-def update(run) -> tuple[dict[str, float], pa.Table]:
-    """One policy update: sample -> prepare -> train -> sync. Returns the step's metrics and rows."""
+def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
+    """One policy update: sample -> prepare -> train -> sync. Returns the step's metrics, its rows
+    and each of their tokens' staleness (policy versions behind the learner)."""
     ctx, version = run.ctx, run.ctx.policy_version + 1
     ctx.timings.clear()
     start, tokens_before = time.perf_counter(), ctx.tokens_generated
@@ -64,6 +66,7 @@ def update(run) -> tuple[dict[str, float], pa.Table]:
     run.learner_group.step = run.step + 1  # the step a learner rank's death is reported in
     table = run.rollouts.take()
     lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
+    staleness = np.repeat(lag, [len(r) for r in table.column("response_ids").to_pylist()])  # per token
     # prepare: a batch per trained policy; None from the algorithm: no update for it this step
     with ctx.timed("prepare"):
         batches = {name: run.algorithm.prepare(rows) for name, rows in run.rows_per_policy(table).items()}
@@ -87,7 +90,16 @@ def update(run) -> tuple[dict[str, float], pa.Table]:
             run.sync_weights(version, training)
     run.step += 1
     metrics |= step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
-    return metrics, table
+    metrics |= staleness_metrics(staleness)
+    return metrics, table, staleness
+
+
+def staleness_metrics(staleness: np.ndarray) -> dict[str, float]:
+    """`staleness/mean` and `staleness/max` of the step's response tokens, in policy versions
+    behind the learner (every token of a row was sampled by the row's policy version)."""
+    if not len(staleness):
+        return {"staleness/mean": 0.0, "staleness/max": 0.0}
+    return {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max())}
 
 
 def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) -> dict[str, float]:

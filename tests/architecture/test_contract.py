@@ -264,6 +264,8 @@ CASES = {  # each algorithm's own config, shrunk so one step takes about a secon
     "cispo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=cispo", "algorithm.group_size=2"]),
     "rloo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=rloo", "algorithm.group_size=2"]),
     "rloo_clipped": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=rloo_clipped", "algorithm.group_size=2"]),
+    "reinforce_pp": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=reinforce_pp", "algorithm.group_size=2"]),
+    "dapo": ("configs/quickstart.yaml", [*SMALL, "algorithm.name=dapo", "algorithm.group_size=2"]),
     "vineppo": ("configs/vineppo.yaml", [*SMALL, "algorithm.group_size=2", "algorithm.mc_rollouts=2"]),
     "pilaf": ("configs/pilaf.yaml", [*SMALL, "algorithm.interpolated_fraction=1.0"]),  # the interpolated sampler
     "ampo": ("configs/ampo.yaml", [*SMALL, "algorithm.num_samples=3", "algorithm.subset_size=2"]),
@@ -338,6 +340,13 @@ class FakeContext:
 
     def next_seed(self) -> int:
         return int(torch.randint(0, 2**31 - 1, (1,), generator=self.rng))
+
+    def more_prompts(self, n: int) -> list[Prompt]:
+        """The task's training rows after the ones handed out so far, as the controller's stream does."""
+        rows = self.task.rows("train")
+        self.handed_out = getattr(self, "handed_out", 2)  # one_step_setup's prompts are the first two
+        start, self.handed_out = self.handed_out, self.handed_out + n
+        return [prompt_of(self.tokenizer, self.task, f"p{i}", rows[i % len(rows)]) for i in range(start, start + n)]
 
     def generate(self, requests, policy=None):
         return self.backends[policy or self.main].generate(requests)
@@ -425,12 +434,14 @@ def one_step_setup(name: str, tmp_path: Path):
         for role, seed in (("reference", 1), ("teacher", 2))
     }
     ctx = FakeContext(cfg, task, tokenizer, {p: module for p in policy_names(algo)}, dirs)
-    rows = task.rows("train")[:2]
-    prompts = [
-        Prompt(f"p{i}", tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"], task.prompt_text(r), r)
-        for i, r in enumerate(rows)
-    ]
+    prompts = [prompt_of(tokenizer, task, f"p{i}", r) for i, r in enumerate(task.rows("train")[:2])]
     return algo, ctx, prompts
+
+
+def prompt_of(tokenizer, task, uid: str, row: dict) -> Prompt:
+    return Prompt(
+        uid, tokenizer(task.prompt_text(row), add_special_tokens=False)["input_ids"], task.prompt_text(row), row
+    )
 
 
 def train_on(algo, module, batch, temperature: float):

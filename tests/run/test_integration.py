@@ -76,6 +76,8 @@ def test_grpo_two_rank_learner_two_workers(ray_cluster, tmp_path):
     acc.Reload()
     assert len(acc.Scalars("reward/mean")) == 3
     assert "eval/heldout/accuracy" in acc.Tags()["scalars"]
+    assert len(acc.Histograms("staleness")) == 3  # each step's tokens, policy versions behind
+    assert rows[0]["staleness/max"] == 0 and rows[0]["mismatch/logprob_abs"] >= 0 and rows[0]["mismatch/kl"] >= 0
     from mlflow import MlflowClient  # and mlflow the same metrics (wandb's run: tests/floor/test_loggers.py)
 
     mlflow_run = (run_dir / "mlflow_run_id").read_text()
@@ -297,6 +299,77 @@ def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray
         ray_cluster.kill(learner)
 
 
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_learner_measures_the_sampler_mismatch_and_corrects_it_with_the_policy_before_the_update(
+    ray_cluster, tmp_path, minibatches
+):
+    """Rows whose sampler logprobs are the learner's plus known noise: the learner reports the
+    mismatch of the noise, and GRPO with TIS trains as plain torch does with the proximal
+    logprobs of the weights before the step (from the loss's own forward in a one-update step,
+    from a forward without gradient first when the step is two updates)."""
+    import numpy as np
+    import torch
+
+    from actors.learner import Learner
+    from actors.modeling import PolicyOnly
+    from algorithms.grpo import GRPO
+    from rlsys.batch import collate
+    from rlsys.cluster import free_port
+    from rlsys.contract import ModelOutputs
+    from rlsys.experience import make_experience
+    from rlsys.logprobs import mismatch_metrics
+    from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir, train_tokenizer
+
+    tok = train_tokenizer([f"{a}+{b}={a + b}" for a in range(30) for b in range(30)], vocab_size=64)
+    spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
+    model_dir = save_model_dir(build_tiny_model(spec, tok, seed=4), tok, tmp_path / "policy")
+    policy = PolicyOnly(load_model(str(model_dir)))
+    rng = np.random.default_rng(1)
+    rows = [
+        dict(
+            uid=f"{i}",
+            group=str(i // 4),
+            prompt_ids=rng.integers(3, 64, 4).tolist(),
+            response_ids=rng.integers(3, 64, rng.integers(2, 7)).tolist(),
+            logprobs=[],
+            reward=float(i % 2),  # every group has signal
+            policy_version=0,
+        )
+        for i in range(8)
+    ]
+    with torch.no_grad():
+        b = collate(make_experience(rows))
+        learner_logprobs = policy(b.input_ids, b.attention_mask)[1]
+    noise = torch.from_numpy(rng.normal(0.0, 0.5, learner_logprobs.shape)).float()
+    for row, lp, m in zip(rows, learner_logprobs + noise, b.response_mask):
+        row["logprobs"] = lp[m > 0].tolist()
+    algo = GRPO(GRPO.Config(kl_coef=0.0, off_policy_correction="tis", is_cap=1.5))
+    batch = algo.prepare(make_experience(rows))
+    learner = ray_cluster.remote(Learner).remote(
+        str(model_dir), algo, lr=1e-2, minibatches=minibatches, master_port=free_port()
+    )
+    metrics = ray_cluster.get(learner.train_step.remote(batch))
+
+    expected = mismatch_metrics(learner_logprobs, batch.old_logprobs, batch.response_mask)  # every row's tokens
+    for key in ("mismatch/logprob_abs", "mismatch/kl"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-4)
+    assert 0 < metrics["is/capped_frac"] < 1  # the noise puts some rho past the cap
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
+    batch.proximal_logprobs = learner_logprobs.clone()  # the policy before the step, for every minibatch
+    for mb in batch.split(minibatches):
+        mb = mb.trim()
+        logits, logprobs, _ = policy(mb.input_ids, mb.attention_mask)
+        loss = algo.loss(ModelOutputs(logits, logprobs), mb)[0]
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+    theirs = ray_cluster.get(learner.weights.remote())
+    for name, p in policy.policy.state_dict().items():
+        np.testing.assert_allclose(theirs[name], p.detach().numpy(), atol=1e-4, err_msg=name)
+    ray_cluster.kill(learner)
+
+
 def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_cluster, tmp_path):
     import os
     import signal
@@ -311,6 +384,10 @@ def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_c
     c = Controller(cfg, tmp_path / "learner_dies", progress=False)
     c.start_actors(c.prepare_policy())
     c.train_step()
+    # held-out pass@k on 4 samples per prompt, before the learner dies
+    held_out = c.evaluate(greedy=False, samples=4)
+    assert held_out["n"] == 4 * len(c.task.rows("eval"))
+    assert held_out["accuracy"] <= held_out["pass@2"] <= held_out["pass@4"] <= 1.0
     saved = c.save_checkpoint()
     pid = ray_cluster.get(c.learners[0].__ray_call__.remote(lambda self: os.getpid()))
     os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,206 @@
+"""The methods on a reasoning task with steps (configs/reasoning.yaml: long multiplication worked
+out line by line): every method from the same warmed-up policy, at an equal budget of training
+samples (the rows a step trains on), over seeds, with the wall time of training recorded; held-out
+greedy accuracy and pass@k (k samples at the rollout temperature) against samples and against
+wall-clock. Prints one table (markdown, also written to OUT/reasoning.md) and writes the curves to
+OUT/reasoning.jsonl and, where matplotlib is installed, OUT/reasoning.png.
+
+    .venv/bin/python benchmarks/reasoning.py                         # grpo rloo ppo vineppo, seeds 0 1 2
+    .venv/bin/python benchmarks/reasoning.py --methods grpo vineppo --seeds 0 --samples 3200 \\
+        --set vineppo:algorithm.mc_rollouts=4 --out /tmp/reasoning trainer.prompts_per_step=8
+
+Arguments with `=` override the config for every method; `--set METHOD:key=value` for one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlsys.cluster import init_ray  # noqa: E402  (before anything imports ray)
+
+METHODS = ("grpo", "rloo", "ppo", "vineppo")
+
+
+def evaluate(controller, pass_k: int) -> dict[str, float]:
+    """Held-out greedy accuracy and, at the rollout temperature, pass@1..pass@k."""
+    sampled = controller.evaluate(greedy=False, samples=pass_k)
+    return {"greedy": controller.evaluate(greedy=True)["accuracy"], "pass@1": sampled["accuracy"]} | {
+        k: v for k, v in sampled.items() if k.startswith("pass@")
+    }
+
+
+def warm_policy(config: str, overrides: list[str], out: Path) -> tuple[Path, float]:
+    """The warmed-up policy every method starts from (made once), and the seconds it took."""
+    from rlsys.config import load_config
+    from rlsys.run.controller import Controller
+
+    cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.name=warm"])
+    start = time.perf_counter()
+    policy_dir = Controller(cfg, out / "warm", progress=False).prepare_policy()
+    return policy_dir, time.perf_counter() - start
+
+
+def run_method(config, overrides, method, seed, warm_dir, out, budget, eval_every, pass_k) -> list[dict]:
+    """One method and seed from the warm policy until `budget` training samples; the curve of
+    held-out evaluations every `eval_every` samples (and at 0 and at the end)."""
+    from rlsys.config import load_config
+    from rlsys.run.controller import Controller
+
+    name = f"{method}-s{seed}"
+    cfg = load_config(
+        config,
+        [*overrides, f"algorithm.name={method}", f"run.seed={seed}", f"run.output_dir={out}", f"run.name={name}"],
+    )
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(warm_dir, run_dir / "policy_init")  # the same start: prepare_policy reuses it
+    c = Controller(cfg, run_dir, progress=False)
+    c.start_actors(c.prepare_policy())
+    point = lambda samples, wall, steps, extra: {  # noqa: E731
+        "method": method,
+        "seed": seed,
+        "samples": samples,
+        "wall_s": wall,
+        "steps": steps,
+        **extra,
+        **evaluate(c, pass_k),
+    }
+    curve, samples, wall, steps, next_eval = [point(0, 0.0, 0, {})], 0, 0.0, 0, eval_every
+    lengths = []
+    try:
+        while samples < budget:
+            start = time.perf_counter()
+            metrics = c.train_step()
+            wall += time.perf_counter() - start
+            samples, steps = samples + int(metrics["samples"]), steps + 1
+            lengths.append(metrics["response_length"])
+            if samples >= next_eval or samples >= budget:
+                extra = {"response_length": float(np.mean(lengths)), "train_reward": metrics["reward/mean"]}
+                extra |= {k: v for k, v in metrics.items() if k.startswith("vineppo/")}
+                curve.append(point(samples, wall, steps, extra))
+                lengths, next_eval = [], next_eval + eval_every
+                print(f"  {name}: {samples} samples, {wall:.0f} s, greedy {curve[-1]['greedy']:.3f}", flush=True)
+    finally:
+        c.shutdown()
+    return curve
+
+
+def at_wall_time(curve: list[dict], seconds: float) -> dict:
+    """The last evaluation at or before `seconds` of training."""
+    return [p for p in curve if p["wall_s"] <= seconds + 1e-9][-1]
+
+
+def table(curves: dict[tuple[str, int], list[dict]], pass_k: int) -> str:
+    """Method x {held-out greedy accuracy and pass@k at the equal sample budget, greedy accuracy at
+    the equal wall time (the fastest method's), wall time, seeds}, means over seeds (min-max)."""
+    methods = list(dict.fromkeys(m for m, _ in curves))
+    fastest = min(
+        float(np.mean([c[-1]["wall_s"] for (m, _), c in curves.items() if m == method])) for method in methods
+    )
+    spread = lambda xs: f"{np.mean(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
+    lines = [
+        f"| method | start greedy | greedy at equal samples | pass@{pass_k} at equal samples "
+        f"| greedy at {fastest:.0f} s | training wall s | seeds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method in methods:
+        runs = [c for (m, _), c in curves.items() if m == method]
+        lines.append(
+            f"| {method} | {spread([c[0]['greedy'] for c in runs])} | {spread([c[-1]['greedy'] for c in runs])} "
+            f"| {spread([c[-1][f'pass@{pass_k}'] for c in runs])} "
+            f"| {spread([at_wall_time(c, fastest)['greedy'] for c in runs])} "
+            f"| {np.mean([c[-1]['wall_s'] for c in runs]):.0f} | {len(runs)} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(curves: dict[tuple[str, int], list[dict]], path: Path, pass_k: int) -> bool:
+    """Greedy accuracy and pass@k against samples and against wall-clock, a line per method (the
+    mean over seeds at each evaluation). False where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for method in dict.fromkeys(m for m, _ in curves):
+        runs = [c for (m, _), c in curves.items() if m == method]
+        n = min(len(c) for c in runs)
+        mean = lambda key: np.mean([[p[key] for p in c[:n]] for c in runs], axis=0)  # noqa: E731
+        axes[0].plot(mean("samples"), mean("greedy"), marker="o", label=method)
+        axes[1].plot(mean("wall_s"), mean("greedy"), marker="o", label=method)
+        axes[2].plot(mean("samples"), mean(f"pass@{pass_k}"), marker="o", label=method)
+    for ax, (x, y) in zip(
+        axes,
+        [
+            ("training samples", "held-out greedy accuracy"),
+            ("training wall s", "held-out greedy accuracy"),
+            ("training samples", f"held-out pass@{pass_k}"),
+        ],
+    ):
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/reasoning.yaml")
+    p.add_argument("--methods", nargs="+", default=list(METHODS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--samples", type=int, default=12800, help="training samples per run (rows trained on)")
+    p.add_argument("--eval-every", type=int, default=3200, help="training samples between held-out evaluations")
+    p.add_argument("--pass-k", type=int, default=8, help="samples per held-out prompt for pass@k (a power of 2)")
+    p.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE", help="an override for one method")
+    p.add_argument("--out", type=Path, default=Path("runs/bench-reasoning"))
+    args, overrides = p.parse_known_args(argv)
+    per_method = {}
+    for item in args.set:
+        method, override = item.split(":", 1)
+        per_method.setdefault(method, []).append(override)
+    args.out.mkdir(parents=True, exist_ok=True)
+    init_ray()
+    warm_dir, warm_s = warm_policy(args.config, overrides, args.out)
+    print(f"warm-up: {warm_s:.0f} s ({args.config} {' '.join(overrides)})", flush=True)
+    curves = {}
+    with (args.out / "reasoning.jsonl").open("w") as log:
+        for method in args.methods:
+            for seed in args.seeds:
+                curve = run_method(
+                    args.config,
+                    [*overrides, *per_method.get(method, [])],
+                    method,
+                    seed,
+                    warm_dir,
+                    args.out,
+                    args.samples,
+                    args.eval_every,
+                    args.pass_k,
+                )
+                curves[(method, seed)] = curve
+                log.write("".join(json.dumps(point) + "\n" for point in curve))
+                log.flush()
+    text = table(curves, args.pass_k)
+    (args.out / "reasoning.md").write_text(text + "\n")
+    print(text)
+    drawn = plot(curves, args.out / "reasoning.png", args.pass_k)
+    print(f"curves: {args.out / 'reasoning.jsonl'}" + (f", plot: {args.out / 'reasoning.png'}" if drawn else ""))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,32 @@
+"""benchmarks/reasoning.py's table: equal samples are each run's last point, equal wall time is
+the fastest method's training time, means over seeds with their range."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("reasoning_bench", ROOT / "benchmarks" / "reasoning.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def point(samples, wall, greedy, passk):
+    return {"samples": samples, "wall_s": wall, "greedy": greedy, "pass@4": passk}
+
+
+CURVES = {
+    ("grpo", 0): [point(0, 0, 0.1, 0.2), point(100, 50, 0.3, 0.5), point(200, 100, 0.5, 0.7)],
+    ("grpo", 1): [point(0, 0, 0.1, 0.2), point(100, 50, 0.2, 0.4), point(200, 100, 0.4, 0.6)],
+    ("vineppo", 0): [point(0, 0, 0.1, 0.2), point(100, 150, 0.6, 0.8), point(200, 300, 0.7, 0.9)],
+}
+
+
+def test_the_table_compares_at_equal_samples_and_at_the_fastest_methods_wall_time():
+    rows = bench.table(CURVES, pass_k=4).splitlines()
+    assert "greedy at 100 s" in rows[0]  # grpo's mean training time, the fastest
+    grpo, vineppo = rows[2], rows[3]
+    assert grpo.startswith("| grpo | 0.100 (0.100-0.100) | 0.450 (0.400-0.500) | 0.650 (0.600-0.700) | 0.450")
+    assert grpo.endswith("| 100 | 2 |")
+    # at 100 s VinePPO has only its start point: 0.1, though it ends higher at equal samples
+    assert vineppo.startswith("| vineppo | 0.100 (0.100-0.100) | 0.700 (0.700-0.700) | 0.900 (0.900-0.900) | 0.100")
+    assert bench.at_wall_time(CURVES[("vineppo", 0)], 160)["greedy"] == 0.6
