@@ -72,6 +72,7 @@ BUILTIN_MODULES = (
     "pilaf",
     "ampo",
     "distill",
+    "opd",
     "cdg",
     "brite",
     "rlef",

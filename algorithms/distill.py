@@ -155,6 +155,42 @@ class TeacherConfig(AlgorithmConfig):
         return v
 
 
+def prepare_teacher(t: TeacherConfig, run_dir, task, tokenizer, seed: int) -> Path:
+    """The teacher's model dir, from an `algorithm.teacher` section `t`: t.path (its vocabulary
+    must equal the student's), or a tiny model of the teacher sizes trained by the SFT warm-up,
+    saved once to run_dir/teacher. Shared by the algorithms with a teacher (distill, opd)."""
+    from rlsys.config import ConfigError  # here: rlsys.config is loaded only by what builds a run
+    from rlsys.models import TinyModelSpec, build_tiny_model, load_tokenizer, save_model_dir  # imports rlsys.config
+
+    if t.path:
+        if load_tokenizer(t.path).get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(
+                f"config error: algorithm.teacher.path = {t.path!r}: its tokenizer differs from the "
+                f"student's (train the teacher on this task's tokenizer)"
+            )
+        return Path(t.path)
+    out = Path(run_dir) / "teacher"
+    if not (out / "config.json").exists():
+        sizes = t.model_dump(
+            include={
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+            }
+        )
+        model = build_tiny_model(TinyModelSpec(**sizes), tokenizer, seed=seed + 1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # in the driver, beside the actors: one core
+        try:
+            warmup(model, tokenizer, task, task.rows("train"), t.sft_steps, t.batch_size, t.lr, seed)
+        finally:
+            torch.set_num_threads(threads)
+        save_model_dir(model, tokenizer, out)
+    return out
+
+
 class DistillConfig(AlgorithmConfig):
     """DA-KD: difficulty-aware distillation of a teacher into the policy, with the bidirectional discrepancy loss."""
 
@@ -192,39 +228,8 @@ class DAKD(Algorithm, Stateful, HasTeacher, ReportsPrepareMetrics):
 
     # -- teacher ----------------------------------------------------------------------------
     def teacher_dir(self, run_dir, task, tokenizer, seed: int) -> Path:
-        """The teacher's model dir: teacher.path (its vocabulary must equal the student's), or a
-        tiny model of the teacher sizes trained by the SFT warm-up, saved once to run_dir/teacher."""
-        from rlsys.config import ConfigError  # here: rlsys.config is loaded only by what builds a run
-        from rlsys.models import TinyModelSpec, build_tiny_model, load_tokenizer, save_model_dir  # imports rlsys.config
-
-        t = self.config.teacher
-        if t.path:
-            if load_tokenizer(t.path).get_vocab() != tokenizer.get_vocab():
-                raise ConfigError(
-                    f"config error: algorithm.teacher.path = {t.path!r}: its tokenizer differs from the "
-                    f"student's (train the teacher on this task's tokenizer)"
-                )
-            return Path(t.path)
-        out = Path(run_dir) / "teacher"
-        if not (out / "config.json").exists():
-            sizes = t.model_dump(
-                include={
-                    "hidden_size",
-                    "intermediate_size",
-                    "num_hidden_layers",
-                    "num_attention_heads",
-                    "num_key_value_heads",
-                }
-            )
-            model = build_tiny_model(TinyModelSpec(**sizes), tokenizer, seed=seed + 1)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # in the driver, beside the actors: one core
-            try:
-                warmup(model, tokenizer, task, task.rows("train"), t.sft_steps, t.batch_size, t.lr, seed)
-            finally:
-                torch.set_num_threads(threads)
-            save_model_dir(model, tokenizer, out)
-        return out
+        """`prepare_teacher` of the `teacher` section."""
+        return prepare_teacher(self.config.teacher, run_dir, task, tokenizer, seed)
 
     # -- sampling: the epoch plan -----------------------------------------------------------
     def _training_ids(self, ctx):

@@ -7,7 +7,7 @@ OUT/reasoning.jsonl and, where matplotlib is installed, OUT/reasoning.png.
 
     .venv/bin/python benchmarks/reasoning.py                         # grpo rloo ppo vineppo, seeds 0 1 2
     .venv/bin/python benchmarks/reasoning.py --methods grpo vineppo --seeds 0 --samples 3200 \\
-        --set vineppo:algorithm.mc_rollouts=4 --out /tmp/reasoning trainer.prompts_per_step=8
+        --set vineppo:algorithm.mc_rollouts=4 --warm runs/reasoning/policy_init --out /tmp/reasoning
 
 Arguments with `=` override the config for every method; `--set METHOD:key=value` for one.
 """
@@ -168,6 +168,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--pass-k", type=int, default=8, help="samples per held-out prompt for pass@k (a power of 2)")
     p.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE", help="an override for one method")
     p.add_argument("--out", type=Path, default=Path("runs/bench-reasoning"))
+    p.add_argument(
+        "--warm", type=Path, help="a warmed-up policy dir to start from (a run's policy_init); default: warm up"
+    )
     args, overrides = p.parse_known_args(argv)
     per_method = {}
     for item in args.set:
@@ -175,8 +178,12 @@ def main(argv: list[str]) -> None:
         per_method.setdefault(method, []).append(override)
     args.out.mkdir(parents=True, exist_ok=True)
     init_ray()
-    warm_dir, warm_s = warm_policy(args.config, overrides, args.out)
-    print(f"warm-up: {warm_s:.0f} s ({args.config} {' '.join(overrides)})", flush=True)
+    if args.warm:
+        warm_dir = args.warm
+        print(f"warm-up: {warm_dir} (made before)", flush=True)
+    else:
+        warm_dir, warm_s = warm_policy(args.config, overrides, args.out)
+        print(f"warm-up: {warm_s:.0f} s ({args.config} {' '.join(overrides)})", flush=True)
     curves = {}
     with (args.out / "reasoning.jsonl").open("w") as log:
         for method in args.methods:

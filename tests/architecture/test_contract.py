@@ -270,6 +270,7 @@ CASES = {  # each algorithm's own config, shrunk so one step takes about a secon
     "pilaf": ("configs/pilaf.yaml", [*SMALL, "algorithm.interpolated_fraction=1.0"]),  # the interpolated sampler
     "ampo": ("configs/ampo.yaml", [*SMALL, "algorithm.num_samples=3", "algorithm.subset_size=2"]),
     "distill": ("configs/distill.yaml", [*SMALL]),
+    "opd": ("configs/opd.yaml", [*SMALL, "algorithm.group_size=2"]),
     "cdg": (
         "configs/cdg.yaml",
         [
