@@ -209,7 +209,7 @@ class VinePPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient):
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         metas = meta_of(table)
         return {
-            "vineppo/steps_per_response": float(np.mean([len(m["step_ends"]) for m in metas])),
+            "vineppo/steps_mean": float(np.mean([len(m["step_ends"]) for m in metas])),
             "vineppo/value_s0": float(np.mean([m["step_values"][0] for m in metas])),
         }
 

@@ -13,7 +13,7 @@ EXPECTED = {
     "vineppo": (
         ["algorithm.group_size=4", "algorithm.mc_rollouts=3"],
         4 * 4,
-        ["loss/policy", "kl_ref", "vineppo/steps_per_response", "vineppo/value_s0"],
+        ["loss/policy", "kl_ref", "vineppo/steps_mean", "vineppo/value_s0"],
     ),
     "pilaf": ([], 4 * 2, ["loss/dpo", "dpo/decisive_pairs", "pilaf/interpolated_pairs"]),
     "ampo": (["algorithm.num_samples=4", "algorithm.subset_size=3"], 4 * 4, ["loss/ampo", "ampo/groups_with_signal"]),
