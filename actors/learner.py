@@ -205,7 +205,7 @@ class Learner:
         proximal = isinstance(self.algorithm, UsesProximalLogprobs) and self.algorithm.proximal_logprobs_needed()
         # the batch's old_logprobs are the sampler's: the gap to the learner's is measured each step
         sampled = isinstance(self.algorithm, (UsesProximalLogprobs, TrainsOnStaleRows))
-        one_update = self.epochs == 1 and len(batch.split(self.minibatches)) == 1
+        one_update = self.epochs == 1 and min(self.minibatches, len(batch)) == 1  # split's shard count
         if proximal and not one_update:  # the policy before the first update, for every minibatch
             batch.proximal_logprobs = self._logprobs_before_update(batch)
             mismatch = mismatch_metrics(batch.proximal_logprobs, batch.old_logprobs, batch.response_mask)
@@ -255,10 +255,9 @@ class Learner:
         out = torch.zeros_like(batch.response_mask)
         row = 0
         for mb in batch.split(self.minibatches):
-            length = int(mb.attention_mask.sum(1).max())
             mb = mb.trim().to(self.device)
             logprobs = self.module(mb.input_ids, mb.attention_mask, self.temperature, mb.response_mask)[1]
-            out[row : row + len(mb), : length - 1] = logprobs.float().cpu()
+            out[row : row + len(mb), : logprobs.shape[1]] = logprobs.float().cpu()
             row += len(mb)
         return out
 

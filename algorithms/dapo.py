@@ -121,6 +121,15 @@ def first_groups(table: pa.Table, keep: np.ndarray, n_groups: int) -> pa.Table:
     return table.filter(pa.array([bool(k) and g in chosen for g, k in zip(groups, keep)]))
 
 
+def groups_with_signal_first(table: pa.Table, n_groups: int) -> pa.Table:
+    """The rows of the table's first `n_groups` groups whose rewards are not all equal."""
+    return first_groups(table, groups_with_signal(rewards_of(table), table.column("group").to_pylist()), n_groups)
+
+
+def count_groups(table: pa.Table) -> int:
+    return len(set(table.column("group").to_pylist()))
+
+
 @register("dapo")
 class DAPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs):
     Config = DAPOConfig
@@ -134,17 +143,11 @@ class DAPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnS
         sample = lambda batch: sample_groups(ctx, batch, c.group_size, with_ref=c.kl_coef > 0)
         table, rounds = sample(prompts), 1
         if c.dynamic_sampling:
-            kept = first_groups(
-                table, groups_with_signal(rewards_of(table), table.column("group").to_pylist()), len(prompts)
-            )
-            while len(set(kept.column("group").to_pylist())) < len(prompts) and rounds < c.max_sampling_rounds:
-                missing = len(prompts) - len(set(kept.column("group").to_pylist()))
-                more = sample(ctx.more_prompts(missing))
-                rounds += 1
-                more = first_groups(
-                    more, groups_with_signal(rewards_of(more), more.column("group").to_pylist()), missing
-                )
-                kept = concat_experience([kept, more])
+            kept = groups_with_signal_first(table, len(prompts))
+            missing = len(prompts) - count_groups(kept)
+            while missing and rounds < c.max_sampling_rounds:
+                kept = concat_experience([kept, groups_with_signal_first(sample(ctx.more_prompts(missing)), missing)])
+                missing, rounds = len(prompts) - count_groups(kept), rounds + 1
             table = kept if kept.num_rows else table  # no group with signal at all: the step's rows (A = 0)
         max_tokens = ctx.sampling().max_new_tokens
         lengths = [len(r) for r in table.column("response_ids").to_pylist()]
@@ -160,7 +163,7 @@ class DAPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnS
         penalty = np.asarray(table.column("overlong_penalty").to_pylist())
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist()) | {
             "dapo/sampling_rounds": float(np.mean(table.column("sampling_rounds").to_pylist())),
-            "dapo/groups": float(len(set(table.column("group").to_pylist()))),
+            "dapo/groups": float(count_groups(table)),
             "dapo/overlong_frac": float((penalty < 0).mean()),
             "dapo/overlong_penalty": float(penalty.mean()),
         }

@@ -3,7 +3,9 @@
 import dataclasses
 
 import numpy as np
+import torch
 
+from rlsys.batch import collate_ids
 from rlsys.generation import Generation, SamplingParams
 
 # a tiny model, task and warm-up (overrides of a config in configs/), the base of the tests' jobs
@@ -26,6 +28,21 @@ TINY_ONE_WORKER = [
     "rollout.num_workers=1",
     "trainer.steps=2",
 ]
+
+
+def rows_sharing_prompts(seed: int = 0):
+    """Three prompts of different lengths, three responses each of different lengths, and a
+    multi-turn row (environment tokens, mask 0, inside its response)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 2, 7)]
+    rows = [
+        (p, torch.randint(3, 64, (1 + (i + k) % 4,), generator=g).tolist())
+        for i, p in enumerate(prompts)
+        for k in range(3)
+    ]
+    rows.append((prompts[0], [9, 10, 11, 12, 13]))
+    masks = [None] * (len(rows) - 1) + [[1, 1, 0, 0, 1]]
+    return prompts, collate_ids([p for p, _ in rows], [r for _, r in rows], masks)
 
 
 class TwoTokenContext:

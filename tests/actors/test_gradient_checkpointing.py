@@ -8,29 +8,14 @@ import pytest
 import torch
 
 from actors.modeling import PolicyOnly, PolicyWithValueHead, enable_activation_checkpointing
-from rlsys.batch import collate_ids
 from rlsys.logprobs import response_logprobs, shared_prompt_passes
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir
+from tests.fakes import rows_sharing_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SPEC = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 TIGHT = dict(rtol=1e-5, atol=1e-6)  # float32, the same ops: the recompute is the forward again
-
-
-def rows_sharing_prompts(seed: int = 0):
-    """Three prompts of different lengths, three responses each of different lengths, and a
-    multi-turn row (environment tokens, mask 0, inside its response)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 2, 7)]
-    rows = [
-        (p, torch.randint(3, 64, (1 + (i + k) % 4,), generator=g).tolist())
-        for i, p in enumerate(prompts)
-        for k in range(3)
-    ]
-    rows.append((prompts[0], [9, 10, 11, 12, 13]))
-    masks = [None] * (len(rows) - 1) + [[1, 1, 0, 0, 1]]
-    return prompts, collate_ids([p for p, _ in rows], [r for _, r in rows], masks)
 
 
 def twin_models(architecture: str):

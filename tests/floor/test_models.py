@@ -67,6 +67,7 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(
     from actors.modeling import PolicyOnly, PolicyWithValueHead
     from rlsys.batch import collate_ids
     from rlsys.logprobs import shared_prompt_logprobs
+    from tests.fakes import rows_sharing_prompts
 
     spec = TinyModelSpec(
         vocab_size=64,
@@ -88,17 +89,7 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logprobs_and_gradients(
             attention_bias=True,
         )
     )
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 2, 7)]
-    rows = [
-        (p, torch.randint(3, 64, (1 + (i + k) % 4,), generator=g).tolist())
-        for i, p in enumerate(prompts)
-        for k in range(3)
-    ]
-    # a multi-turn row: environment tokens (mask 0) inside the response still get their context
-    rows.append((prompts[0], [9, 10, 11, 12, 13]))
-    masks = [None] * (len(rows) - 1) + [[1, 1, 0, 0, 1]]
-    batch = collate_ids([p for p, _ in rows], [r for _, r in rows], masks)
+    prompts, batch = rows_sharing_prompts()  # a multi-turn row too: its environment tokens still get their context
     trainable = batch.response_mask > 0
     for model in (build_tiny_model(spec, seed=3), llama):
         policy = PolicyOnly(model)
