@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from actors.lora import adapter_tensors, add_adapters, merged_state_dict
 from actors.modeling import (
     PolicyOnly,
     PolicyWithValueHead,
@@ -27,7 +28,7 @@ from actors.modeling import (
     per_response_tokens,
     quiet_transformers,
     size_buckets,
-    state_dict_numpy,
+    tensors_numpy,
     tied_state_dict,
 )
 from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
@@ -35,6 +36,7 @@ from actors.weight_broadcast import BroadcastGroup, weight_manifest
 from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs
 from rlsys.logprobs import mismatch_metrics
 from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
+from rlsys.packing import microbatches
 from rlsys.weight_digest import digest
 
 
@@ -81,6 +83,16 @@ def lr_multiplier(
     raise ValueError(f"unknown lr schedule {schedule!r} (constant, linear, cosine)")
 
 
+def trained_state_dict(module, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+    """`module.state_dict()` without frozen parameters, under every name they have: DeepSpeed's
+    own `module_state_dict` finds the frozen names by `named_parameters()`, which lists a tied
+    weight once, so a LoRA checkpoint kept the frozen lm_head (the embedding) under its second
+    name. (The keyword arguments are DeepSpeed's; frozen parameters are left out always.)"""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+    return type(state)((k, v) for k, v in state.items() if k[len(prefix) :] not in frozen)
+
+
 class Learner:
     def __init__(
         self,
@@ -105,11 +117,17 @@ class Learner:
         min_lr_ratio: float = 0.0,
         bf16: bool = False,
         gradient_checkpointing: bool = False,
+        lora: dict | None = None,
+        max_tokens_per_microbatch: int | None = None,
     ):
         """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step).
         `gradient_checkpointing`: the policy's decoder layers are recomputed in the backward instead of
         keeping their activations (`enable_activation_checkpointing`; the same gradients, shared prompts
-        still run once)."""
+        still run once). `lora`: learner.lora's keys (rank, alpha, dropout, target_modules, export); with a
+        rank > 0 the policy trains LoRA adapters only (actors/lora.py) and a sync sends them alone.
+        `max_tokens_per_microbatch`: each minibatch runs in packed micro-batches of at most this many
+        tokens, its prompt groups kept whole (rlsys/packing.py), the gradients accumulated into its one
+        optimizer step; None: each minibatch in one padded forward."""
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK="0",
@@ -133,6 +151,9 @@ class Learner:
         self.rank, self.world_size = rank, world_size
         self.algorithm = algorithm
         self.epochs, self.minibatches = epochs, minibatches
+        if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1 or None, not {max_tokens_per_microbatch}")
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.temperature = temperature
         self.zero_stage = zero_stage
         # ZeRO-0 in fp32: the learner clips with torch's foreach clip and reports the norm (DeepSpeed
@@ -144,6 +165,7 @@ class Learner:
             grad_clip=grad_clip if self.own_clip is None else 0.0,
             bf16=bf16,
             gradient_checkpointing=gradient_checkpointing,
+            lora=lora if lora and lora.get("rank") else None,
             schedule=partial(
                 lr_multiplier,
                 total_steps=total_steps,
@@ -153,6 +175,7 @@ class Learner:
             ),
         )
         self.model_dir = model_dir  # the initial policy: its tokenizer goes with every export
+        self.peft = None  # the peft model over the policy under learner.lora (the policy holds its adapters)
         self.engine, self.optimizer = self._build_engine(model_dir)
         self.weight_broadcast = None  # rank 0's BroadcastGroup under trainer.weight_sync=broadcast
         self.shared = None  # rank 0's SharedWeights under trainer.weight_sync=shared_memory
@@ -166,11 +189,17 @@ class Learner:
 
         a = self._engine_args
         policy = load_model(model_dir)
+        if a["lora"]:  # adapters injected in place: `policy` is the same model, its base weights frozen
+            lora = a["lora"]
+            self.peft = add_adapters(policy, lora["rank"], lora["alpha"], lora["dropout"], lora["target_modules"])
         if a["gradient_checkpointing"]:
             enable_activation_checkpointing(policy)
         module = PolicyWithValueHead(policy) if self.algorithm.needs_value_head else PolicyOnly(policy)
         optimizer = torch.optim.AdamW(
-            module.parameters(), lr=a["lr"], weight_decay=a["weight_decay"], fused=self.device.type == "cpu"
+            [p for p in module.parameters() if p.requires_grad],  # under LoRA the adapters (and a value head)
+            lr=a["lr"],
+            weight_decay=a["weight_decay"],
+            fused=self.device.type == "cpu",
         )  # one kernel over all tensors (3x faster on CPU)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, a["schedule"])  # stepped by the engine, checkpointed
         engine, optimizer, _, _ = deepspeed.initialize(
@@ -179,6 +208,8 @@ class Learner:
             lr_scheduler=scheduler,
             config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"]),
         )
+        if self.peft is not None:  # a checkpoint's model part: the trained tensors only
+            engine.module_state_dict = partial(trained_state_dict, module)
         if self.world_size == 1 and self.zero_stage == 0:
             engine.enable_backward_allreduce = False  # one rank: the allreduce only flattens and copies back
         return engine, optimizer
@@ -213,25 +244,17 @@ class Learner:
         for _ in range(self.epochs):
             for mb in batch.split(self.minibatches):
                 mb, scale, skipped = self._rows_with_gradient(mb.trim())
-                mb = mb.to(self.device)
-                logits, logprobs, values = self.engine(
-                    mb.input_ids, mb.attention_mask, self.temperature, mb.response_mask
-                )  # rows sharing a prompt run it once
-                if n == 0 and sampled and not mismatch:  # no update yet: this forward is pi_prox
-                    mb.proximal_logprobs = logprobs.detach() if proximal else None
-                    mismatch = mismatch_metrics(logprobs, mb.old_logprobs, mb.response_mask)
-                loss, metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), mb)
-                loss = loss * scale if scale != 1.0 else loss
+                first = n == 0 and sampled and not mismatch  # no update yet: this step's forwards are pi_prox
+                metrics, first_mismatch = self._forward_backward(mb.to(self.device), scale, first, proximal)
+                mismatch = first_mismatch if first else mismatch
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
                 metrics["rows_without_gradient"] = skipped
-                self.engine.backward(loss)
                 own_norm = (
                     None
                     if self.own_clip is None
                     else torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.own_clip)
                 )
                 self.engine.step()
-                metrics["loss"] = loss.item()
                 grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()  # by the step
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
@@ -245,6 +268,39 @@ class Learner:
         out["time/train_rank"] = time.perf_counter() - start
         out["train_tokens"] = float(batch.num_tokens())
         return out
+
+    def _forward_backward(self, mb, scale: float, first: bool, proximal: bool) -> tuple[dict, dict]:
+        """Forward and backward of one minibatch (its gradients, not yet the optimizer step), its
+        loss times `scale`: one padded forward (rows sharing a prompt run it once), or under
+        max_tokens_per_microbatch packed micro-batches (rlsys/packing.py), each micro-batch's loss
+        weighted by its share of the minibatch's tokens (the token mean over the whole minibatch)
+        and the gradients accumulated inside the engine up to its accumulation boundary at the
+        last. Returns (the loss's metrics and `loss`, token-weighted over the micro-batches; the
+        sampler mismatch when `first`: the forwards before the step's first update, which then
+        also give the proximal logprobs when `proximal`)."""
+        packed = self.max_tokens_per_microbatch is not None
+        parts = microbatches(mb, self.max_tokens_per_microbatch) if packed else [mb]
+        tokens = [part.num_tokens() for part in parts]
+        weights = [t / sum(tokens) for t in tokens] if sum(tokens) else [1.0 / len(parts)] * len(parts)
+        metrics: dict[str, float] = defaultdict(float)
+        mismatch: dict[str, float] = defaultdict(float)
+        for i, (part, weight) in enumerate(zip(parts, weights)):
+            if packed:  # ZeRO-0..3 reduce (and may free) the accumulated gradients at the boundary only
+                self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+            logits, logprobs, values = self.engine(
+                part.input_ids, part.attention_mask, self.temperature, part.response_mask, packed=packed
+            )
+            if first:
+                part.proximal_logprobs = logprobs.detach() if proximal else None
+                for k, v in mismatch_metrics(logprobs, part.old_logprobs, part.response_mask).items():
+                    mismatch[k] += weight * v
+            loss, part_metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), part)
+            loss = loss * (scale * weight) if scale * weight != 1.0 else loss
+            self.engine.backward(loss)
+            for k, v in part_metrics.items():
+                metrics[k] += weight * v
+            metrics["loss"] += loss.item()
+        return dict(metrics), dict(mismatch)
 
     @torch.no_grad()
     def _logprobs_before_update(self, batch) -> torch.Tensor:
@@ -308,13 +364,19 @@ class Learner:
         else:
             yield policy
 
+    def _sync_tensors(self, policy) -> dict[str, torch.Tensor]:
+        """What every weight sync sends: the policy's state dict (tied names: one tensor), or under
+        learner.lora its adapters and their scaling alone (actors/lora.py)."""
+        return adapter_tensors(self.peft) if self.peft is not None else tied_state_dict(policy)
+
     def weights(self) -> dict[str, np.ndarray] | None:
-        """The policy's weights (HF state-dict names) as numpy on rank 0; None on other ranks.
-        Under ZeRO-3 every rank must call this (the parameters are gathered collectively) and
-        they are copied out of the gathered buffers; otherwise they are views of the parameters
-        (one copy fewer per sync: the actor's return value is serialized before the next step)."""
+        """The synced weights (`_sync_tensors`: HF state-dict names, or the LoRA adapters) as numpy on
+        rank 0; None on other ranks. Under ZeRO-3 every rank must call this (the parameters are
+        gathered collectively) and they are copied out of the gathered buffers; otherwise they are
+        views of the parameters (one copy fewer per sync: the actor's return value is serialized
+        before the next step)."""
         with self._full_policy() as policy:
-            return state_dict_numpy(policy, copy=self.zero_stage == 3) if self.rank == 0 else None
+            return tensors_numpy(self._sync_tensors(policy), copy=self.zero_stage == 3) if self.rank == 0 else None
 
     def weights_and_digest(self) -> tuple[dict[str, np.ndarray] | None, dict[str, int] | None]:
         """`weights()` and their checksums (rlsys/weight_digest.py), for the object-store sync: two
@@ -324,10 +386,13 @@ class Learner:
 
     def bucket_names(self, bucket_mb: float) -> list[list[str]]:
         """The policy's tensor names grouped into object-store sync buckets of at most `bucket_mb`
-        MB each (`size_buckets`); a tied name costs nothing after the first (one array).
+        MB each (`size_buckets`); a tied name costs nothing after the first (one array). LoRA
+        adapters go in one bucket (a receiver merges a layer's A and B together).
         Collective under ZeRO-3 (the whole shapes exist inside the gather)."""
         sizes, seen = {}, set()
         with self._full_policy() as policy:
+            if self.peft is not None:
+                return [list(self._sync_tensors(policy))]
             for name, t in tied_state_dict(policy).items():
                 sizes[name] = 0 if id(t) in seen else t.numel() * 4  # sent as float32 numpy
                 seen.add(id(t))
@@ -340,7 +405,8 @@ class Learner:
             if self.rank != 0:
                 return None, None
             wanted = set(names)
-            bucket = {k: v for k, v in state_dict_numpy(policy, copy=self.zero_stage == 3).items() if k in wanted}
+            tensors = {k: v for k, v in self._sync_tensors(policy).items() if k in wanted}
+            bucket = tensors_numpy(tensors, copy=self.zero_stage == 3)
             return bucket, digest(bucket)
 
     # ---- trainer.weight_sync=shared_memory (actors/shared_weights.py) ----------------------------
@@ -353,7 +419,7 @@ class Learner:
             if self.rank != 0:
                 return None
             remove_stale()
-            layout = SharedLayout.of(shm_path(policy), tied_state_dict(policy_module))
+            layout = SharedLayout.of(shm_path(policy), self._sync_tensors(policy_module))
             free = shm_free_bytes()
             if free < required_free * layout.file_bytes:
                 return (
@@ -370,7 +436,7 @@ class Learner:
             if self.rank == 0:
                 if self.shared is None:
                     raise RuntimeError("write_shared before share_weights")
-                self.shared.write(slot, policy.state_dict())
+                self.shared.write(slot, self._sync_tensors(policy))
         return slot
 
     def close_shared(self) -> None:
@@ -409,7 +475,7 @@ class Learner:
     def weight_manifest(self):
         """Names, shapes and dtypes of what `broadcast_weights` sends (rank 0; collective under ZeRO-3)."""
         with self._full_policy() as policy:
-            return weight_manifest(policy.state_dict().items()) if self.rank == 0 else None
+            return weight_manifest(self._sync_tensors(policy).items()) if self.rank == 0 else None
 
     def broadcast_weights(self, version: int) -> int:
         """Rank 0 broadcasts the policy's state dict tagged with `version`; every rank must call
@@ -419,25 +485,37 @@ class Learner:
                 return 0
             if self.weight_broadcast is None:
                 raise RuntimeError("broadcast_weights before open_weight_broadcast")
-            return self.weight_broadcast.send(version, list(policy.state_dict().values()))
+            return self.weight_broadcast.send(version, list(self._sync_tensors(policy).values()))
 
     def save(self, path: str) -> None:
-        """DeepSpeed checkpoint (model, optimizer, scheduler) under `path`; collective."""
-        self.engine.save_checkpoint(path, tag="learner", save_latest=False)
+        """DeepSpeed checkpoint (model, optimizer, scheduler) under `path`; collective. Under
+        learner.lora the model part holds the trained tensors only (the adapters, a value head):
+        the frozen base weights are the initial policy's, which a resumed run loads anyway."""
+        self.engine.save_checkpoint(
+            path, tag="learner", save_latest=False, exclude_frozen_parameters=self.peft is not None
+        )
 
     def load(self, path: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(path, tag="learner")
+        load_path, _ = self.engine.load_checkpoint(path, tag="learner", load_module_strict=self.peft is None)
         if load_path is None:
             raise RuntimeError(f"no learner checkpoint in {path}")
 
     def export_hf(self, path: str) -> None:
         """A model dir of the policy at `path` (rank 0): its `save_pretrained` and the tokenizer
         of the dir it started from beside it, so `AutoModelForCausalLM` and `AutoTokenizer` both
-        load `path`."""
-        if self.rank == 0:
+        load `path`. Under learner.lora: the adapters merged into the initial weights (`export:
+        merged`, the same loading), or peft's adapter directory (`export: adapter`, for
+        `PeftModel.from_pretrained` over the initial policy)."""
+        if self.rank != 0:
+            return
+        if self.peft is not None and self._engine_args["lora"]["export"] == "adapter":
+            self.peft.save_pretrained(path)
+        elif self.peft is not None:
+            self.module.policy.save_pretrained(path, state_dict=merged_state_dict(self.peft), safe_serialization=True)
+        else:
             self.module.policy.save_pretrained(path, safe_serialization=True)
-            if find_tokenizer_dir(self.model_dir) is not None:
-                save_tokenizer(load_tokenizer(self.model_dir), path)
+        if find_tokenizer_dir(self.model_dir) is not None:
+            save_tokenizer(load_tokenizer(self.model_dir), path)
 
     def ready(self) -> int:
         return self.rank

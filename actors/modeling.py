@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlsys.batch import collate, response_slices
 from rlsys.logprobs import response_logprobs
+from rlsys.packing import packed_logprobs
 
 
 def quiet_transformers() -> None:
@@ -124,12 +125,16 @@ class PolicyWithValueHead(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
+    def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None, packed: bool = False):
         """With `response_mask`, prompts shared by several rows run once (values, like logits,
-        then hold only from each row's last prompt position on)."""
-        logits, logprobs, hidden = response_logprobs(
-            self.policy, input_ids, attention_mask, response_mask, temperature, hidden=True
-        )
+        then hold only from each row's last prompt position on). `packed`: the rows run as one
+        packed sequence (rlsys/packing.py `packed_logprobs`), the outputs in the padded layout."""
+        if packed:
+            logits, logprobs, hidden = packed_logprobs(self.policy, input_ids, attention_mask, temperature, hidden=True)
+        else:
+            logits, logprobs, hidden = response_logprobs(
+                self.policy, input_ids, attention_mask, response_mask, temperature, hidden=True
+            )
         values = self.value_head(hidden[:, :-1].float()).squeeze(-1)
         return logits, logprobs, values
 
@@ -141,8 +146,11 @@ class PolicyOnly(nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None):
-        """With `response_mask` (the learner's batches), prompts shared by several rows run once."""
+    def forward(self, input_ids, attention_mask, temperature: float = 1.0, response_mask=None, packed: bool = False):
+        """With `response_mask` (the learner's batches), prompts shared by several rows run once;
+        `packed`: the rows run as one packed sequence (rlsys/packing.py), each its own prompt."""
+        if packed:
+            return (*packed_logprobs(self.policy, input_ids, attention_mask, temperature), None)
         return (*response_logprobs(self.policy, input_ids, attention_mask, response_mask, temperature), None)
 
 
@@ -169,6 +177,11 @@ def tied_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarray]:
+    """`tensors_numpy` of the module's state dict (tied names: one array)."""
+    return tensors_numpy(tied_state_dict(module), copy)
+
+
+def tensors_numpy(tensors: dict[str, torch.Tensor], copy: bool = True) -> dict[str, np.ndarray]:
     """Weights as numpy arrays: the object store moves these zero-copy (torch tensors are pickled).
     numpy has no bfloat16: bf16 weights (a bf16 CUDA learner) come out as float32. With
     `copy=False`, CPU float32 weights come out as views of the live parameters (valid until
@@ -183,7 +196,7 @@ def state_dict_numpy(module: nn.Module, copy: bool = True) -> dict[str, np.ndarr
 
     converted: dict[int, np.ndarray] = {}  # id of a tensor object -> its array (tied names: one)
     out: dict[str, np.ndarray] = {}
-    for k, v in tied_state_dict(module).items():
+    for k, v in tensors.items():
         if id(v) not in converted:
             converted[id(v)] = to_numpy(v)
         out[k] = converted[id(v)]

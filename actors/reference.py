@@ -8,6 +8,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
+from actors.lora import MergedAdapters, is_adapter_state
 from actors.modeling import load_numpy_state, per_response_tokens, quiet_transformers
 from rlsys.logprobs import response_logprobs
 from rlsys.models import load_model
@@ -18,13 +19,19 @@ class ReferenceWorker:
         torch.set_num_threads(threads)
         quiet_transformers()
         self.model = load_model(model_dir).eval()
+        self.adapters = None  # MergedAdapters once a LoRA policy is loaded (a moved KL anchor under learner.lora)
         self.temperature = temperature
         self.batch_size = batch_size
 
     def load_weights(self, weights: dict | None, model_dir: str | None = None) -> None:
-        """Hold these weights (numpy, by name) or, when None, the model saved in `model_dir`."""
+        """Hold these weights (numpy, by name; LoRA adapters merged into the initial weights) or,
+        when None, the model saved in `model_dir`."""
         if weights is None:
             self.model = load_model(model_dir).eval()
+            self.adapters = None
+        elif is_adapter_state(weights):
+            self.adapters = self.adapters or MergedAdapters(self.model)
+            self.adapters.load(weights)
         else:
             load_numpy_state(self.model, weights)
 

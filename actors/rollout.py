@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from actors.lean_decode import LeanDecoder, positions_from_mask, supports_lean_decode
+from actors.lora import MergedAdapters, is_adapter_state
 from actors.modeling import adopt_numpy_state, load_numpy_state, pad_sequences, quiet_transformers
 from actors.shared_weights import SharedWeights
 from actors.weight_broadcast import BroadcastGroup
@@ -126,6 +127,7 @@ class HFBackend:
     ):
         quiet_transformers()
         self.requantize = None  # (group size, bit maps) when serving a SliM-LLM quantised policy
+        self.adapters = None  # MergedAdapters once a LoRA sync arrives (learner.lora)
         if quantized:
             from rlsys.quantize import load_quantized  # the quantiser: only a quantised policy loads it
             from rlsys.quantize.model import quantized_bit_maps  # as above
@@ -151,15 +153,20 @@ class HFBackend:
     def load_weights(self, weights: dict[str, np.ndarray], partial: bool = False) -> None:
         """New policy weights (`partial`: one bucket of them); a quantised policy re-rounds them on
         its saved bit maps (in place, so it copies them); otherwise the model reads the given arrays
-        without a copy."""
+        without a copy. LoRA adapters (learner.lora) are merged into the initial weights."""
         if self.lean is not None:
             self.lean.weights_changed()
-        if self.requantize is None:
+        if is_adapter_state(weights):
+            self.adapters = self.adapters or MergedAdapters(self.model)
+            self.adapters.load(weights)
+        elif self.requantize is None:
             adopt_numpy_state(self.model, weights, partial)
+        else:
+            load_numpy_state(self.model, weights, partial)
+        if self.requantize is None:
             return
         from rlsys.quantize.model import requantize  # the quantiser: only a quantised policy loads it
 
-        load_numpy_state(self.model, weights, partial)
         requantize(self.model, self.requantize[1], self.requantize[0])
 
     @property

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from actors.lora import is_adapter_state, write_peft_adapter
 from rlsys.generation import Generation, GenerationRequest, SamplingParams
 
 WORKER_EXTENSION = "actors.vllm_worker.RlsysWorkerExtension"
@@ -243,8 +244,10 @@ def engine_kwargs(
     dtype: str = "auto",
     max_model_len: int | None = None,
     enforce_eager: bool = False,
+    max_lora_rank: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` for a rollout engine."""
+    """Keyword arguments of `vllm.LLM` for a rollout engine; `max_lora_rank` (learner.lora.rank)
+    turns on its LoRA support, one adapter at a time (the policy's latest)."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} must be in (0, 1]")
     kwargs = {
@@ -262,6 +265,8 @@ def engine_kwargs(
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = int(max_model_len)
+    if max_lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=int(max_lora_rank), max_loras=1)
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -280,6 +285,7 @@ class VLLMBackend:
         dtype: str = "auto",
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        max_lora_rank: int | None = None,
     ):
         try:
             import vllm
@@ -291,23 +297,54 @@ class VLLMBackend:
         self.tied = tied_embeddings(model_dir)
         self.llm = vllm.LLM(
             **engine_kwargs(
-                model_dir, tensor_parallel_size, gpu_memory_utilization, seed, dtype, max_model_len, enforce_eager
+                model_dir,
+                tensor_parallel_size,
+                gpu_memory_utilization,
+                seed,
+                dtype,
+                max_model_len,
+                enforce_eager,
+                max_lora_rank,
             )
         )
+        self.lora_request = None  # the policy's adapters (learner.lora) as a vLLM LoRARequest, once synced
+        self.lora_dir = None  # where their peft directories are written, one per sync
         self.weight_sync_ranks = tensor_parallel_size  # members this engine adds to a broadcast group
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         prompts, kwargs = plan_requests(requests, self.eos_ids)
         objects: dict[int, Any] = {}
         params = [objects.setdefault(id(k), self.vllm.SamplingParams(**k)) for k in kwargs]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return generations_from_outputs(requests, [plain_output(o) for o in outputs])
 
     def load_weights(self, weights: dict[str, np.ndarray], partial: bool = False) -> None:
         """In place, on every tensor-parallel worker, through the worker extension (vLLM's
-        `load_weights` takes any subset of the tensors: a bucket loads as the whole does)."""
+        `load_weights` takes any subset of the tensors: a bucket loads as the whole does). LoRA
+        adapters become the engine's LoRA request instead (`use_adapters`)."""
+        if is_adapter_state(weights):
+            self.use_adapters(weights)
+            return
         for bucket in weight_buckets(vllm_weight_items(weights, self.tied)):
             self.llm.collective_rpc("rlsys_load_weights", args=(weight_payload(bucket),))
+        self.llm.reset_prefix_cache()
+
+    def use_adapters(self, weights) -> None:
+        """Serve the base model with these adapters: written as a peft directory and requested by
+        a new LoRARequest id (vLLM caches adapters by id), the previous directory removed."""
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        if self.lora_dir is None:
+            self.lora_dir = Path(tempfile.mkdtemp(prefix="rlsys-lora-"))
+        previous = self.lora_request
+        lora_id = 1 if previous is None else previous.lora_int_id + 1
+        path = write_peft_adapter(weights, self.lora_dir / f"v{lora_id}", self.model_dir)
+        self.lora_request = LoRARequest(f"policy-{lora_id}", lora_id, str(path))
+        if previous is not None:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
         self.llm.reset_prefix_cache()
 
     # weight broadcast (trainer.weight_sync=broadcast): each tensor-parallel worker of the

@@ -305,6 +305,33 @@ class RolloutConfig(Section):
         return {"k": self.specache_k, "bits": self.specache_bits, "window": self.specache_window}
 
 
+class LoraSettings(Section):
+    """LoRA adapters (peft) instead of full fine-tuning: the learner trains and syncs the adapters only."""
+
+    rank: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="adapter rank r; 0: no LoRA, every weight trains. With r > 0 the optimizer holds the adapters "
+        "(and a critic's value head) only, the weight sync sends the adapters and the rollout workers merge them "
+        "into their copy of the initial weights (W0 + alpha/r * B A)",
+    )
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapters' update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input in the training forward")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="names (last component) of the linear layers that get adapters (peft's target_modules; the "
+        "defaults are the Llama/Qwen2 attention and MLP projections)",
+    )
+    export: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="what a checkpoint's hf/ holds: merged, the initial weights with the adapters merged in "
+        "(loads with AutoModelForCausalLM); adapter, the adapter directory in peft's format "
+        "(PeftModel.from_pretrained over the initial policy)",
+    )
+
+
 class LearnerConfig(Section):
     num_ranks: int = Field(
         1,
@@ -329,7 +356,10 @@ class LearnerConfig(Section):
         1.0, gt=0, description="largest global gradient norm of an optimizer step (clipped above it)"
     )
     micro_batch_size: int = Field(
-        64, ge=1, description="not used: the learner runs each minibatch whole (see learner.minibatches)"
+        64,
+        ge=1,
+        description="not used: the learner runs each minibatch whole (see learner.minibatches) or in "
+        "micro-batches by tokens (learner.max_tokens_per_microbatch)",
     )
     epochs: int = Field(1, ge=1, description="passes over each trainer step's batch")
     minibatches: int = Field(1, ge=1, description="shards of each rank's batch per epoch, one optimizer step each")
@@ -341,6 +371,17 @@ class LearnerConfig(Section):
         "training forward and runs again in the backward (less activation memory, about one more forward of "
         "compute per step; the same gradients); rows sharing a prompt still run it once",
     )
+    max_tokens_per_microbatch: int | None = Field(
+        None,
+        ge=1,
+        description="token budget of a learner micro-batch (null: each minibatch in one padded forward): each "
+        "minibatch, still one optimizer step, runs in micro-batches of at most this many real tokens (prompt + "
+        "response; a prompt group, e.g. a GRPO group or a preference pair, is never cut, and one larger than the "
+        "budget goes alone), each packed into one sequence without padding; the gradients accumulate and each "
+        "micro-batch's loss counts by its share of the minibatch's tokens (exact for token-mean losses); rows "
+        "sharing a prompt then each run it",
+    )
+    lora: LoraSettings = Field(LoraSettings(), description="LoRA adapters instead of full fine-tuning (rank 0: off)")
 
 
 class TrainerConfig(Section):
@@ -801,6 +842,8 @@ CROSS_SECTION_RULES = (
     "`rollout.backend: hf` and a `trainer.weight_sync` other than `broadcast`.",
     "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward, not a reward model's or a "
     "judge's score.",
+    "`learner.lora.rank > 0` with `rollout.backend: vllm` needs a `trainer.weight_sync` other than `broadcast`: the "
+    "engine serves the adapters as a LoRA request read from a directory, not loaded in place.",
 )
 
 
@@ -837,6 +880,11 @@ def check_job(cfg: JobConfig, algorithm) -> None:
             f"config error: 'task.shaping' shapes the task's rule reward, but reward.source is "
             f"'{cfg.reward.source}' (its scores are not shaped): remove task.shaping or use "
             f"reward.source=rule"
+        )
+    if cfg.learner.lora.rank and cfg.rollout.backend == "vllm" and cfg.trainer.weight_sync == "broadcast":
+        raise ConfigError(
+            "config error: 'learner.lora' with rollout.backend=vllm: the engine serves the adapters as a LoRA "
+            "request from a directory, so trainer.weight_sync must be object_store or shared_memory, not broadcast"
         )
 
 

@@ -149,6 +149,7 @@ def vllm_options(cfg: JobConfig, index: int) -> dict | None:
         seed=cfg.run.seed + index,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         dtype="bfloat16" if cfg.learner.bf16 else "auto",
+        max_lora_rank=cfg.learner.lora.rank or None,
     )
 
 

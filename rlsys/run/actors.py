@@ -100,6 +100,8 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
                 seed=cfg.run.seed,
                 bf16=l.bf16,
                 gradient_checkpointing=l.gradient_checkpointing,
+                max_tokens_per_microbatch=l.max_tokens_per_microbatch,
+                lora=l.lora.model_dump(),
                 **learner_schedule(cfg),
             )
         )

@@ -207,6 +207,13 @@ def test_engine_kwargs():
     assert kw["distributed_executor_backend"] == "mp" and "distributed_executor_backend" not in engine_kwargs("/m")
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         engine_kwargs("/m", gpu_memory_utilization=1.5)
+    # learner.lora: the engine serves one adapter of at most the run's rank; no LoRA, no LoRA support
+    assert {k: engine_kwargs("/m", max_lora_rank=8)[k] for k in ("enable_lora", "max_lora_rank", "max_loras")} == {
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "max_loras": 1,
+    }
+    assert "enable_lora" not in kw
 
 
 def test_deepspeed_config_builder():

@@ -1,5 +1,6 @@
 """Exact resume: a run killed with SIGKILL after a checkpoint and resumed ends with the same
-weights (max abs difference 0) and the same metrics rows as the uninterrupted run."""
+weights (max abs difference 0) and the same metrics rows as the uninterrupted run; full
+fine-tuning, and LoRA (learner.lora: the checkpoint holds the adapters and their optimizer state)."""
 
 import json
 import os
@@ -55,10 +56,18 @@ def assert_same_run(a: Path, b: Path):
     assert read_jsonl(a / "evals.jsonl") == read_jsonl(b / "evals.jsonl")
 
 
-def test_sigkill_then_resume_is_exact_and_falls_back_past_a_corrupt_checkpoint(tmp_path):
+WARM = ["sft.steps=150", "sft.lr=0.005"]  # a warm-up after which some rewards are 1: the weights move
+TRAINING = {
+    "full": WARM,
+    "lora": [*WARM, "learner.lora.rank=4", "learner.lora.alpha=8", "learner.lr=0.01"],
+}
+
+
+@pytest.mark.parametrize("training", list(TRAINING))
+def test_sigkill_then_resume_is_exact_and_falls_back_past_a_corrupt_checkpoint(tmp_path, training):
     # an evaluation after every step widens the window between the step_2 checkpoint and the run's
     # end (steps 3 and 4 of the tiny model take tens of ms); the watcher looks every 10 ms
-    tiny = [*TINY, "trainer.eval_every=1"]
+    tiny = [*TINY, "trainer.eval_every=1", *TRAINING[training]]
     full = rlsys(
         "run", "configs/quickstart.yaml", *tiny, f"run.output_dir={tmp_path}", "run.name=full", "--no-progress"
     )
@@ -82,6 +91,9 @@ def test_sigkill_then_resume_is_exact_and_falls_back_past_a_corrupt_checkpoint(t
     assert resumed.returncode == 0, err[-2000:]
     assert "resumed killed from step_2" in err
     assert_same_run(tmp_path / "full", tmp_path / "killed")
+    initial = load_file(str(tmp_path / "full" / "policy_init" / "model.safetensors"))
+    final = final_weights(tmp_path / "full")
+    assert any(not (final[k] == initial[k]).all() for k in initial)  # the run trained something
 
     # damage the newest checkpoint: resume says so in one line, uses step_2, and still ends identical
     victim = tmp_path / "killed" / "checkpoints" / "step_4" / "state.json"
