@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -40,9 +41,11 @@ from rlsys.packing import microbatches
 from rlsys.weight_digest import digest
 
 
-def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> dict:
+def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False, offload: str = "none") -> dict:
     """The DeepSpeed config of a learner rank; `bf16` adds DeepSpeed's bf16 section (bf16
-    weights and activations, fp32 master weights in the optimizer), for CUDA learners."""
+    weights and activations, fp32 master weights in the optimizer), for CUDA learners; `offload`
+    (optimizer, params) DeepSpeed's ZeRO-Offload of the optimizer state (and the parameters) to
+    host memory, the step run there by the torch AdamW the learner hands in."""
     config = {
         "train_micro_batch_size_per_gpu": 1,  # we call the engine on whole minibatches ourselves
         "gradient_accumulation_steps": 1,
@@ -54,6 +57,11 @@ def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False) -> d
     }
     if bf16:
         config["bf16"] = {"enabled": True}
+    if offload in ("optimizer", "params"):
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["zero_force_ds_cpu_optimizer"] = False  # our torch AdamW steps the offloaded state, not DeepSpeedCPUAdam
+    if offload == "params":
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return config
 
 
@@ -119,6 +127,7 @@ class Learner:
         gradient_checkpointing: bool = False,
         lora: dict | None = None,
         max_tokens_per_microbatch: int | None = None,
+        offload: str = "none",
     ):
         """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step).
         `gradient_checkpointing`: the policy's decoder layers are recomputed in the backward instead of
@@ -147,6 +156,14 @@ class Learner:
         self.device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
         if bf16 and device != "cuda":
             raise RuntimeError("learner.bf16 needs a CUDA learner, and no GPU is visible to this rank")
+        if offload != "none" and device != "cuda":
+            print(
+                f"rlsys: learner.offload={offload} on a CPU learner changes nothing: its parameters and optimizer "
+                "state are in host memory already",
+                file=sys.stderr,
+            )
+            offload = "none"
+        self.offload = offload
         deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False)
         self.rank, self.world_size = rank, world_size
         self.algorithm = algorithm
@@ -206,7 +223,7 @@ class Learner:
             model=module,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"]),
+            config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"], self.offload),
         )
         if self.peft is not None:  # a checkpoint's model part: the trained tensors only
             engine.module_state_dict = partial(trained_state_dict, module)

@@ -118,7 +118,18 @@ class MergedAdapters:
             param = params[name]
             if name not in self.base:
                 self.base[name] = param.detach().clone()
-            param.data = merged_weight(self.base[name], a, b, scaling)
+            if param.dtype != torch.float32:  # bf16 serving: the delta in float32, then rounded once
+                param.data = merged_weight(self.base[name], a, b, scaling)
+                continue
+            a, b = _float32(a).to(param.device), _float32(b).to(param.device)
+            out_in = (b.shape[0], a.shape[1])
+            if param.shape not in (out_in, out_in[::-1]):
+                raise ValueError(f"LoRA delta of shape {out_in} does not fit {name} of shape {tuple(param.shape)}")
+            # W = W0 + s * B @ A written in place by one gemm: no temporary the size of the weight
+            if param.shape == out_in:
+                torch.addmm(self.base[name], b, a, alpha=scaling, out=param.data)
+            else:  # a weight stored [in, out] (GPT-2's Conv1D)
+                torch.addmm(self.base[name], a.T, b.T, alpha=scaling, out=param.data)
         return len(pairs)
 
 

@@ -142,6 +142,11 @@ class HFBackend:
         self.specache = specache  # SpeCache two-tier KV cache settings (k, bits, window); None: full cache
         cfg = self.model.config
         eos = cfg.eos_token_id
+        if eos is None and cfg.pad_token_id is None:
+            raise ValueError(
+                f"{model_dir}: the model's config has neither eos_token_id nor pad_token_id; the rollout needs one "
+                "(set eos_token_id in its config.json)"
+            )
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else next(iter(self.eos_ids))
         # decode "lean": actors/lean_decode.py for Llama-family models (else, and for "generate", `model.generate`)

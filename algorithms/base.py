@@ -89,7 +89,13 @@ def _import_builtins() -> None:
 
 def sample_groups(ctx: RolloutContext, prompts: Sequence[Prompt], n: int, with_ref: bool = True) -> pa.Table:
     """The common rollout: n responses per prompt (one group per prompt), rewards from the
-    reward worker and, when asked, reference logprobs. Returns an Experience table."""
+    reward worker and, when asked, reference logprobs. Returns an Experience table. With
+    `env.name` set (`ctx.episodes`), n multi-turn episodes per prompt instead, one row each
+    (algorithms/episodes.py)."""
+    if getattr(ctx, "episodes", None) is not None:  # getattr: stand-in contexts of tests predate episodes
+        from algorithms.episodes import sample_episodes  # brings in the tools' schema reader: multi-turn runs only
+
+        return sample_episodes(ctx, prompts, n, with_ref)
     params = ctx.sampling(n=n, seed=ctx.next_seed())
     requests = [GenerationRequest(list(p.prompt_ids), params) for p in prompts]
     generations = ctx.generate(requests)

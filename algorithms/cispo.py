@@ -37,6 +37,7 @@ from rlsys.contract import (
     Algorithm,
     AlgorithmConfig,
     ModelOutputs,
+    PlaysEpisodes,
     ReportsPrepareMetrics,
     SkipsRowsWithoutGradient,
     TrainsOnStaleRows,
@@ -85,7 +86,7 @@ def cispo_policy_loss(logprobs, old_logprobs, advantages, mask, eps_low: float, 
 
 
 @register("cispo")
-class CISPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows):
+class CISPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, PlaysEpisodes):
     Config = CISPOConfig
     needs_value_head = False
 

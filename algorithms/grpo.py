@@ -45,6 +45,7 @@ from rlsys.batch import TrainBatch, collate
 from rlsys.contract import (
     Algorithm,
     ModelOutputs,
+    PlaysEpisodes,
     ReportsPrepareMetrics,
     SkipsRowsWithoutGradient,
     TrainsOnStaleRows,
@@ -94,7 +95,9 @@ class GRPOConfig(OffPolicyCorrectionConfig):
 
 
 @register("grpo")
-class GRPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs):
+class GRPO(
+    Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs, PlaysEpisodes
+):
     Config = GRPOConfig
     needs_value_head = False
 

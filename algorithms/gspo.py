@@ -31,7 +31,14 @@ from algorithms.base import register, rewards_of, sample_groups
 from algorithms.common import group_stats, grpo_advantages, k3_kl
 from algorithms.grpo import sequence_advantage_batch
 from rlsys.batch import TrainBatch
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, TrainsOnStaleRows
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    ModelOutputs,
+    PlaysEpisodes,
+    ReportsPrepareMetrics,
+    TrainsOnStaleRows,
+)
 
 
 class GSPOConfig(AlgorithmConfig):
@@ -83,7 +90,7 @@ def row_advantages(batch: TrainBatch) -> torch.Tensor:
 
 
 @register("gspo")
-class GSPO(Algorithm, ReportsPrepareMetrics, TrainsOnStaleRows):
+class GSPO(Algorithm, ReportsPrepareMetrics, TrainsOnStaleRows, PlaysEpisodes):
     Config = GSPOConfig
     needs_value_head = False
 

@@ -23,7 +23,7 @@ from algorithms.common import (
     masked_whiten,
 )
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, ModelOutputs, UsesProximalLogprobs
+from rlsys.contract import Algorithm, ModelOutputs, PlaysEpisodes, UsesProximalLogprobs
 
 
 class PPOConfig(OffPolicyCorrectionConfig):
@@ -44,7 +44,7 @@ class PPOConfig(OffPolicyCorrectionConfig):
 
 
 @register("ppo")
-class PPO(Algorithm, UsesProximalLogprobs):
+class PPO(Algorithm, UsesProximalLogprobs, PlaysEpisodes):
     Config = PPOConfig
     needs_value_head = True
 

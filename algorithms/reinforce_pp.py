@@ -68,7 +68,14 @@ from algorithms.common import (
     masked_whiten,
 )
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, ModelOutputs, ReportsPrepareMetrics, TrainsOnStaleRows, UsesProximalLogprobs
+from rlsys.contract import (
+    Algorithm,
+    ModelOutputs,
+    PlaysEpisodes,
+    ReportsPrepareMetrics,
+    TrainsOnStaleRows,
+    UsesProximalLogprobs,
+)
 
 KL_IN = {False: "reward", True: "loss"}  # baseline -> where the paper's variant puts the KL
 
@@ -222,7 +229,7 @@ def reinforce_pp_loss(logprobs: torch.Tensor, batch: TrainBatch, config: Reinfor
 
 
 @register("reinforce_pp")
-class ReinforcePP(Algorithm, ReportsPrepareMetrics, TrainsOnStaleRows, UsesProximalLogprobs):
+class ReinforcePP(Algorithm, ReportsPrepareMetrics, TrainsOnStaleRows, UsesProximalLogprobs, PlaysEpisodes):
     Config = ReinforcePPConfig
     needs_value_head = False
 

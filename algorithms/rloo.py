@@ -28,7 +28,7 @@ from pydantic import Field
 from algorithms.base import register, rewards_of, sample_groups
 from algorithms.common import broadcast_to_tokens, group_stats, rloo_advantages
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics
+from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, PlaysEpisodes, ReportsPrepareMetrics
 
 
 class RLOOConfig(AlgorithmConfig):
@@ -67,7 +67,7 @@ def reinforce_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch
 
 
 @register("rloo")
-class RLOO(Algorithm, ReportsPrepareMetrics):
+class RLOO(Algorithm, ReportsPrepareMetrics, PlaysEpisodes):
     Config = RLOOConfig
     needs_value_head = False
 

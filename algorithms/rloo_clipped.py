@@ -23,6 +23,7 @@ from rlsys.contract import (
     Algorithm,
     AlgorithmConfig,
     ModelOutputs,
+    PlaysEpisodes,
     ReportsPrepareMetrics,
     SkipsRowsWithoutGradient,
     TrainsOnStaleRows,
@@ -47,7 +48,7 @@ class RLOOClippedConfig(AlgorithmConfig):
 
 
 @register("rloo_clipped")
-class RLOOClipped(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows):
+class RLOOClipped(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, PlaysEpisodes):
     Config = RLOOClippedConfig
     needs_value_head = False
 

@@ -52,7 +52,15 @@ class TrainSplitView:
 
 
 class Env(Protocol):
-    def reset(self, row: dict) -> str: ...
+    """One episode at a time. `reset(row)`: the first observation, a text (one user message) or a
+    list of chat messages. `step(text)`: the policy's turn -> (the next observation: a text, or
+    None once done; the turn's reward; done; info). What the multi-turn rollout
+    (algorithms/episodes.py) reads of `info`: `messages` (the observation as chat messages, e.g.
+    tool results in the template's tool role; else the text is one user message), `tool_counts`
+    (envs/tools.py ToolCounts), `correct` (a bool, once done) and `answer` (once done: a final
+    answer the run's reward grades, added to the last turn's reward)."""
+
+    def reset(self, row: dict) -> str | list[dict]: ...
     def step(self, text: str) -> tuple[str | None, float, bool, dict]: ...
 
 

@@ -30,6 +30,21 @@ from typing import Any, Mapping, Sequence
 
 DUMMY_CONTEXT = ({"role": "user", "content": "hi"},)
 DUMMY_ASSISTANT = {"role": "assistant", "content": "ok"}
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")  # ChatML, Llama 3, Gemma, Phi-3
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token that ends an assistant turn in the tokenizer's chat template, which a multi-turn
+    sampler stops on besides eos: the first of END_OF_TURN_TOKENS the template writes (ChatML's
+    `<|im_end|>`, ...) that the vocabulary holds as one token, else eos. ValueError without either."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab()
+    for token in END_OF_TURN_TOKENS:
+        if token in template and token in vocab:
+            return vocab[token]
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer's chat template ends turns with no known token and it has no eos token")
+    return tokenizer.eos_token_id
 
 
 class TemplateMismatch(ValueError):
@@ -144,16 +159,19 @@ class Conversation:
         self._append(list(ids), [float(x) for x in logprobs], sampled=True)
         self.policy_turns.append((start, len(self.ids)))
 
-    def add_messages(self, messages: Sequence[Mapping]) -> list[int]:
+    def add_messages(self, messages: Sequence[Mapping], budget: int | None = None) -> list[int] | None:
         """An observation after a policy turn: tool results (`{"role": "tool", "content": ...}`, all
         of one turn at once: templates group them) or a user message, and the next generation
         prompt; the policy's turn is closed with the end-of-turn token first if it was cut short.
-        Returns the ids appended."""
+        Returns the ids appended; with `budget`, an observation that would take the row past
+        `budget` tokens is not appended (None)."""
         if self.awaiting_policy:
             raise ValueError("an observation follows a policy turn")
         eot = self.encoder.end_of_turn_id
         close = [] if self.ids[-1:] == [eot] else [eot]
         ids = close + self.encoder.observation_ids(messages, self.tools)
+        if budget is not None and len(self.ids) + len(ids) > budget:
+            return None
         self._append(ids, [0.0] * len(ids), sampled=False)
         return ids
 

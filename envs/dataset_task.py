@@ -33,15 +33,23 @@ Messages = list[dict[str, str]]
 
 def row_problem(row: Any, prompt_key: str, answer_key: str, text_keys: tuple[str, ...] = ()) -> str | None:
     """What is wrong with a row (missing key, empty prompt, wrong type, malformed messages, a
-    `text_keys` column that is not a string), or None."""
+    `text_keys` column that is neither a string nor chat messages opening with the assistant's:
+    a demonstration), or None."""
     if not isinstance(row, dict):
         return f"expected an object, got {type(row).__name__}"
     for key in (prompt_key, answer_key, *text_keys):
         if row.get(key) is None:
             return f"missing key '{key}'"
     for key in text_keys:
-        if not isinstance(row[key], str):
-            return f"'{key}' is {type(row[key]).__name__}: expected a string"
+        if isinstance(row[key], list):  # a multi-turn demonstration: the messages after the prompt
+            problem = messages_problem(row[key])
+            if problem:
+                return f"malformed messages in '{key}': {problem}"
+            if row[key][0]["role"] != "assistant":
+                first = row[key][0]["role"]
+                return f"'{key}' opens with a {first!r} message: a demonstration opens with the assistant's"
+        elif not isinstance(row[key], str):
+            return f"'{key}' is {type(row[key]).__name__}: expected a string or a list of chat messages"
     prompt, answer = row[prompt_key], row[answer_key]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -220,10 +228,14 @@ class DatasetTask:
     def answer(self, row: dict) -> str:
         return str(row[self.answer_key])
 
-    def demonstration(self, row: dict) -> str:
+    def demonstration(self, row: dict) -> str | Messages:
         """What the supervised warm-up teaches the model to answer: the demonstration column
-        (`task.demonstration_key`, a worked solution), else the reference answer."""
-        return str(row[self.demonstration_key]) if self.demonstration_key else self.answer(row)
+        (`task.demonstration_key`, a worked solution, or the chat messages after the prompt of a
+        multi-turn one: assistant turns and tool results), else the reference answer."""
+        if not self.demonstration_key:
+            return self.answer(row)
+        demo = row[self.demonstration_key]
+        return [dict(m) for m in demo] if isinstance(demo, list) else str(demo)
 
     @property
     def flawed_demonstration(self):
@@ -245,5 +257,9 @@ class DatasetTask:
         lines = []
         for row in self.rows("train"):
             turns = "\n".join(f"{m['role']}\n{m['content']}" for m in self.messages(row))
-            lines.append(f"{turns}\nassistant\n{self.demonstration(row)}")
+            demo = self.demonstration(row)
+            if isinstance(demo, list):  # a multi-turn demonstration: its messages with their roles
+                lines.append(turns + "".join(f"\n{m['role']}\n{m['content']}" for m in demo))
+            else:
+                lines.append(f"{turns}\nassistant\n{demo}")
         return lines

@@ -2,8 +2,9 @@
 
 `ToolEnv(task, tools)` plays one episode at a time:
 
-    reset(row)   the row's prompt (`task.prompt_text`); the tools are offered by the rollout
-                 through the chat template's `tools=` (`env.tool_schemas()`)
+    reset(row)   the row's prompt: its chat messages where the task has them (`task.messages`:
+                 the dataset task), else its text (`task.prompt_text`); the tools are offered by
+                 the rollout through the chat template's `tools=` (`env.tool_schemas()`)
     step(text)   the policy's turn, read with `parse_tool_calls` (envs/tools.py):
                    tool calls   each is run with `call_tool` (never raises: a malformed call, an
                                 unknown tool, a tool that raises or runs past `timeout_s` is an
@@ -13,7 +14,10 @@
                                 call penalty (0 by default), not done
                    no tool call the final answer: reward `task.reward(row, text)` (e.g. the math
                                 reward of its `\\boxed{}`), `info["correct"]` is
-                                `task.is_correct(row, text)`, done
+                                `task.is_correct(row, text)`, done; with `grade_answers` off
+                                it is not graded here: reward 0, `info["answer"]` its text
+                                (the multi-turn rollout grades it with the run's reward,
+                                algorithms/episodes.py), `info["correct"]` None
 
 Bounds: at most `max_turns` policy turns. A turn that is the `max_turns`-th and still calls tools
 ends the episode with reward 0 and `info["truncated"]`: its calls are not run (no turn follows to
@@ -74,7 +78,8 @@ def checked_penalties(call_penalty: Mapping[str, float]) -> dict[str, float]:
 class ToolEnv:
     """One tool-using episode at a time over `task`'s rows (see the module's docstring): `tools`
     the policy may call, at most `max_turns` policy turns, each call given `timeout_s` and its
-    observation cut to `max_observation_chars`; `call_penalty`: status -> cost of each such call."""
+    observation cut to `max_observation_chars`; `call_penalty`: status -> cost of each such call;
+    `grade_answers` off: the final answer is left to the rollout to grade (`info["answer"]`)."""
 
     task: Task
     tools: Sequence[Tool]
@@ -82,6 +87,7 @@ class ToolEnv:
     timeout_s: float = 10.0
     max_observation_chars: int = MAX_OBSERVATION_CHARS
     call_penalty: Mapping[str, float] = field(default_factory=dict)
+    grade_answers: bool = True
     row: dict | None = field(default=None, init=False)
     turn: int = field(default=0, init=False)
     done: bool = field(default=False, init=False)
@@ -112,10 +118,12 @@ class ToolEnv:
         """The function schemas a chat template's `tools=` takes, in the tools' order."""
         return [t.schema for t in self.tools]
 
-    def reset(self, row: dict) -> str:
-        """Start an episode on `row`; its first observation is the row's prompt."""
+    def reset(self, row: dict) -> str | list[dict]:
+        """Start an episode on `row`; its first observation is the row's prompt: the task's chat
+        messages of it where the task has them (the dataset task), else its text."""
         self.row, self.turn, self.done = row, 0, False
-        return self.task.prompt_text(row)
+        messages = getattr(self.task, "messages", None)  # getattr: task wrappers (ShapedTask) delegate attributes
+        return messages(row) if messages is not None else self.task.prompt_text(row)
 
     def step(self, text: str) -> tuple[str | None, float, bool, dict[str, Any]]:
         """The policy's turn `text` -> (the tool results' text, or None once done; the turn's
@@ -138,10 +146,12 @@ class ToolEnv:
     def _finish(self, answer: str) -> tuple[None, float, bool, dict[str, Any]]:
         """The final answer: the task's reward and whether it is correct; the episode is done."""
         self.done = True
+        if not self.grade_answers:
+            return None, 0.0, True, {**self._info([], correct=None), "answer": answer}
         reward = float(self.task.reward(self.row, answer))
         return None, reward, True, self._info([], correct=bool(self.task.is_correct(self.row, answer)))
 
-    def _info(self, results: list[ToolResult], correct: bool, truncated: bool = False) -> dict[str, Any]:
+    def _info(self, results: list[ToolResult], correct: bool | None, truncated: bool = False) -> dict[str, Any]:
         return {
             "turn": self.turn,
             "messages": [r.message() for r in results],

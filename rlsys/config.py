@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import annotated_types
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -382,6 +382,20 @@ class LearnerConfig(Section):
         "sharing a prompt then each run it",
     )
     lora: LoraSettings = Field(LoraSettings(), description="LoRA adapters instead of full fine-tuning (rank 0: off)")
+    offload: Literal["none", "optimizer", "params"] = Field(
+        "none",
+        description="DeepSpeed ZeRO-Offload of a CUDA learner: optimizer, the optimizer state and its step in host "
+        "memory (ZeRO 1-3); params, the parameters too (ZeRO-3). A CPU learner holds both in host memory already: "
+        "there the key changes nothing (the learner says so once)",
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self):
+        if self.offload == "optimizer" and self.zero_stage == 0:
+            raise ValueError("offload 'optimizer' needs zero_stage 1, 2 or 3 (ZeRO partitions what it offloads)")
+        if self.offload == "params" and self.zero_stage != 3:
+            raise ValueError(f"offload 'params' needs zero_stage 3, not {self.zero_stage}")
+        return self
 
 
 class TrainerConfig(Section):
@@ -551,6 +565,97 @@ class SandboxConfig(Section):
     )
     cpu_time_s: float = Field(10.0, gt=0, le=600, description="CPU-time limit of one run, in seconds")
     memory_mb: int = Field(1024, ge=64, le=65536, description="memory limit of one run, in MB (the paper: 1 GB)")
+
+
+BUILTIN_TOOLS = ("calculator", "python")  # envs/tools.py BUILTINS
+CALL_STATUSES = ("ok", "malformed", "unknown_tool", "error", "timeout")  # envs/tools.py STATUSES
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:name
+
+
+class EnvConfig(Section):
+    """Multi-turn episodes (docs/agents.md): an environment the policy talks to over several turns, for every
+    algorithm whose rollout is the common one."""
+
+    name: Optional[str] = Field(
+        None,
+        description="null: single-turn rollouts (one response per sample); tools: tool-using episodes "
+        "(envs/tool_env.py ToolEnv over the task's rows, the tools of env.tools); path/to/file.py:ClassName (a "
+        "relative path: from the working directory, then from the config file's directory) or "
+        "package.module:ClassName: a user's env, made once per episode as ClassName(task) with reset(row) and "
+        "step(text) (envs/base.py Env)",
+    )
+    tools: list[str] = Field(
+        [],
+        description="env.name=tools: the tools the policy may call, built-ins (calculator; python, run in the "
+        "sandbox with the sandbox section's limits) or package.module:function (its signature and docstring "
+        "become the tool's schema)",
+    )
+    max_turns: int = Field(
+        4, ge=1, le=64, description="most policy turns per episode; an episode not done by then ends there"
+    )
+    max_tokens: Optional[int] = Field(
+        None,
+        ge=2,
+        description="an episode's token budget: prompt, policy turns and observations; a turn is given at most "
+        "what is left (and rollout.max_new_tokens), and an observation that does not fit ends the episode; null: "
+        "the model's context length",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, le=600, description="env.name=tools: the most one tool call may take, in seconds (status timeout)"
+    )
+    call_penalty: dict[str, float] = Field(
+        {},
+        description="env.name=tools: what each call of a status costs (ok, malformed, unknown_tool, error, "
+        "timeout), taken from its turn's reward, e.g. {malformed: 0.1}; {}: calls cost nothing",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _env_name(cls, v):
+        target, _, attr = (v or "").rpartition(":")
+        a_file = target.endswith(".py") and attr.isidentifier()
+        if v is not None and v != "tools" and not (IMPORT_PATH.match(v) or a_file):
+            raise ValueError("is not tools, path/to/file.py:ClassName nor package.module:ClassName")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_specs(cls, v, info):
+        if v and info.data.get("name") != "tools":
+            raise ValueError("are the tools of env.name 'tools' (a user's env declares its own)")
+        if not v and info.data.get("name") == "tools":
+            raise ValueError("must name at least one tool with env.name 'tools' (e.g. [calculator])")
+        bad = [s for s in v if s not in BUILTIN_TOOLS and not IMPORT_PATH.match(s)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a built-in ({', '.join(BUILTIN_TOOLS)}) nor package.module:function")
+        if len(set(v)) != len(v):
+            raise ValueError("names a tool twice")
+        return v
+
+    @field_validator("call_penalty")
+    @classmethod
+    def _penalties(cls, v, info):
+        if v and info.data.get("name") != "tools":
+            raise ValueError("prices the tool calls of env.name 'tools'")
+        unknown = sorted(set(v) - set(CALL_STATUSES))
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a call status ({', '.join(CALL_STATUSES)})")
+        return v
+
+    def located_name(self, config_dir: Path | None) -> Optional[str]:
+        """env.name with its file (path/to/file.py:ClassName) found and made absolute, as reward.function's."""
+        target, _, name = (self.name or "").rpartition(":")
+        if not target.endswith(".py"):
+            return self.name
+        path = Path(target)
+        places = [path] if path.is_absolute() else [Path.cwd() / path]
+        if config_dir is not None and not path.is_absolute():
+            places.append(Path(config_dir) / path)
+        for place in places:
+            if place.is_file():
+                return f"{place.resolve()}:{name}"
+        where = " or ".join(str(p.parent) for p in places)
+        raise ConfigError(f"config error: env.name = {self.name!r}: no file {target} in {where}")
 
 
 class JudgeConfig(Section):
@@ -826,6 +931,11 @@ class JobConfig(Section):
         description="code execution for the tasks that run code (task.name "
         "code, humaneval): a pool of sandboxes on Ray and each run's limits",
     )
+    env: EnvConfig = Field(
+        EnvConfig(),
+        description="multi-turn episodes: the environment each prompt's episodes are played in (null name: "
+        "single-turn), its tools and bounds",
+    )
     algorithm: AlgorithmSection = Field(
         AlgorithmSection(), description="the algorithm, by name, and its own keys (the algorithm sections below)"
     )
@@ -844,6 +954,9 @@ CROSS_SECTION_RULES = (
     "judge's score.",
     "`learner.lora.rank > 0` with `rollout.backend: vllm` needs a `trainer.weight_sync` other than `broadcast`: the "
     "engine serves the adapters as a LoRA request read from a directory, not loaded in place.",
+    "`env.name` (multi-turn episodes) needs an algorithm whose rollout plays them ({episodes}), no `task.shaping` "
+    "(it shapes one response, not an episode) and, with a tiny model, `env.max_tokens` within "
+    "`model.max_position_embeddings`.",
 )
 
 
@@ -853,7 +966,7 @@ def check_job(cfg: JobConfig, algorithm) -> None:
     section is that section's validator. `build_algorithm` calls this, so every command that
     builds the algorithm checks them before any actor starts."""
     # here, not at the top: rlsys.contract imports torch, which loading a config does not need
-    from rlsys.contract import TrainsOnStaleRows, policy_names
+    from rlsys.contract import PlaysEpisodes, TrainsOnStaleRows, policy_names
 
     name = cfg.algorithm.name
     if cfg.trainer.overlap_rollout:
@@ -886,6 +999,23 @@ def check_job(cfg: JobConfig, algorithm) -> None:
             "config error: 'learner.lora' with rollout.backend=vllm: the engine serves the adapters as a LoRA "
             "request from a directory, so trainer.weight_sync must be object_store or shared_memory, not broadcast"
         )
+    if cfg.env.name is not None:
+        if not isinstance(algorithm, PlaysEpisodes):
+            raise ConfigError(
+                f"config error: 'env.name'={cfg.env.name!r}: algorithm '{name}' has a rollout of its own, not the "
+                "common one that plays episodes (the algorithms that declare PlaysEpisodes: the rules in "
+                "docs/configuration.md list them)"
+            )
+        if cfg.task.shaping:
+            raise ConfigError(
+                "config error: 'task.shaping' shapes one response, not an episode of env.name: remove one of them"
+            )
+        context = cfg.model.max_position_embeddings
+        if cfg.model.path is None and cfg.env.max_tokens is not None and cfg.env.max_tokens > context:
+            raise ConfigError(
+                f"config error: 'env.max_tokens'={cfg.env.max_tokens}: above the tiny model's context "
+                f"(model.max_position_embeddings={context}; allowed: at most it, or null for it)"
+            )
 
 
 # ---- the reference: docs/configuration.md ------------------------------------------------------
@@ -909,9 +1039,10 @@ def config_reference(algorithms: Mapping[str, type]) -> str:
     algorithm with its Config's keys. `algorithms`: registered name -> algorithm class, as
     `algorithms.base` has them (passed in: the floor never imports algorithms)."""
     # here, not at the top: rlsys.contract imports torch, which loading a config does not need
-    from rlsys.contract import TrainsOnStaleRows
+    from rlsys.contract import PlaysEpisodes, TrainsOnStaleRows
 
     stale = ", ".join(n for n in sorted(algorithms) if issubclass(algorithms[n], TrainsOnStaleRows))
+    episodes = ", ".join(n for n in sorted(algorithms) if issubclass(algorithms[n], PlaysEpisodes))
     sections = " · ".join(f"[{t}](#{_anchor(t)})" for t in [*JobConfig.model_fields, "rules across sections"])
     names = " · ".join(f"[{n}](#{_anchor(f'algorithm.name: {n}')})" for n in sorted(algorithms))
     out = [REFERENCE_INTRO, "", f"Sections: {sections}", "", f"Algorithms: {names}", ""]
@@ -923,7 +1054,7 @@ def config_reference(algorithms: Mapping[str, type]) -> str:
         "Checked by `check_job` (`rlsys/config.py`) when the algorithm is built, before any actor starts:",
         "",
     ]
-    out += [f"- {rule.format(stale=stale)}" for rule in CROSS_SECTION_RULES]
+    out += [f"- {rule.format(stale=stale, episodes=episodes)}" for rule in CROSS_SECTION_RULES]
     out += [
         "",
         "## Algorithms",
@@ -1082,6 +1213,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), data:
     raw = apply_overrides(raw, list(overrides))
     cfg = validate_section(JobConfig, raw)
     cfg.reward.function = cfg.reward.located_function(Path(path).parent if path is not None else None)
+    cfg.env.name = cfg.env.located_name(Path(path).parent if path is not None else None)
     return cfg
 
 

@@ -79,6 +79,9 @@ class RolloutContext(Protocol):
     def teacher_top_logprobs(self, table: pa.Table, k: int = 0) -> Any: ...
     def execute(self, requests: Sequence[Any]) -> list[Any]: ...  # sandbox.ExecRequest -> ExecResult
 
+    # multi-turn episodes (env.name): algorithms/episodes.py's EpisodeSettings, None for single-turn rollouts
+    episodes: Any
+
 
 @runtime_checkable
 class Algorithm(Protocol):
@@ -173,6 +176,13 @@ class TrainsOnStaleRows:
     (`trainer.overlap_rollout`)."""
 
 
+class PlaysEpisodes:
+    """A marker: the rollout is the common one (`sample_groups`), so with `env.name` set it plays
+    multi-turn episodes (algorithms/episodes.py), and `prepare` trains on the policy's tokens only
+    (`loss_mask`), taking the episode's return as the reward (and, where it reads them, the
+    per-turn `token_rewards`)."""
+
+
 CAPABILITIES: tuple[type, ...] = (
     Stateful,
     ReportsPrepareMetrics,
@@ -184,6 +194,7 @@ CAPABILITIES: tuple[type, ...] = (
     TrainsSeveralPolicies,
     UsesProximalLogprobs,
     TrainsOnStaleRows,
+    PlaysEpisodes,
 )
 
 

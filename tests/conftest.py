@@ -55,6 +55,18 @@ def ray_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def in_process_learners():
+    """Modules whose tests build DeepSpeed learners in the test process: their process group is
+    closed after the module (DeepSpeed's close, which also drops the groups it cached), so a
+    later module's learner starts clean."""
+    yield
+    import deepspeed.comm
+
+    if deepspeed.comm.is_initialized():
+        deepspeed.comm.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models run many small ops: one torch thread is faster and steadier on a shared
     2-core machine (two threads contend). Modules opt in with

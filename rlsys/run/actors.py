@@ -102,6 +102,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
                 gradient_checkpointing=l.gradient_checkpointing,
                 max_tokens_per_microbatch=l.max_tokens_per_microbatch,
                 lora=l.lora.model_dump(),
+                offload=l.offload,
                 **learner_schedule(cfg),
             )
         )

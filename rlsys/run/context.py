@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -72,6 +73,8 @@ class ActorContext:
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
         self.prompt_stream = None  # the run's PromptStream (its cursor is checkpointed), set by the controller
+        self.episodes = None  # an EpisodeSettings (algorithms/episodes.py) when env.name is set, by the controller
+        self._sandbox_lock = threading.Lock()  # episodes' env steps call `execute` from their threads
 
     @property
     def workers(self) -> list:
@@ -208,13 +211,15 @@ class ActorContext:
             return ray.get(self.teacher.logprobs.remote(table))
 
     def execute(self, requests):
-        """Sandboxed runs (sandbox.ExecRequest), all sent to the pool at once; results in order."""
+        """Sandboxed runs (sandbox.ExecRequest), all sent to the pool at once; results in order.
+        Calls from several threads (episodes' python tool) take turns: the pool hands out its
+        workers to one call at a time (each call's runs still go to them at once)."""
         if self.sandbox is None:
             raise RunFailed(
                 f"algorithm '{self.cfg.algorithm.name}' runs code, but task '{self.cfg.task.name}' has no "
                 f"sandbox pool (a task that runs code: task.name=code)"
             )
-        with self.timed("sandbox"):
+        with self._sandbox_lock, self.timed("sandbox"):
             return self.sandbox.run_many(list(requests))
 
     def teacher_top_logprobs(self, table, k: int = 0):

@@ -19,9 +19,10 @@ import ray
 
 from actors.reference import ReferenceWorker
 from algorithms.base import build_algorithm
+from algorithms.episodes import EpisodeSettings, final_answers, play_episodes, summary_metrics
 from algorithms.sft import warmup
 from envs.dataset_task import fit_to_model
-from envs.registry import make_task
+from envs.registry import make_env_factory, make_task
 from envs.rewards import build_shaping
 from rlsys.checkpoint import CheckpointError, candidates
 from rlsys.config import ConfigError, JobConfig, dump_config
@@ -31,7 +32,7 @@ from rlsys.evaluators import AttachedEvaluators, write_cluster_info
 from rlsys.generation import GenerationRequest
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
 from rlsys.placement import placement_report, release_placement_groups, service_options
-from rlsys.prompts import prompt_ids
+from rlsys.prompts import context_length, prompt_ids
 from rlsys.run import checkpointing, loop
 from rlsys.run.actors import Learners, start_actors
 from rlsys.run.context import ActorContext
@@ -57,6 +58,7 @@ class Controller:
         self.attached = None  # the run's AttachedEvaluators, opened by run()
         self.weights = None  # the weight-sync strategy, made by start_actors
         self.stop = StopSignals()  # the signals that stop the run, installed by run()
+        self.envs = None  # the EnvFactory of env.name (multi-turn episodes), made by prepare_policy
 
     # the run's policy (the first of `self.policies`): its rollout workers and learner ranks
     @property
@@ -77,6 +79,8 @@ class Controller:
         cfg = self.cfg
         self.task = make_task(cfg.task, self.run_dir / "data", cfg.run.seed)
         self._check_sandbox()
+        # the envs of multi-turn episodes (env.name; None: single-turn); the python tool runs in the pool
+        self.envs = make_env_factory(cfg.env, self.task, run=self._run_sandboxed, limits=self._sandbox_limits())
         init_dir = self.run_dir / "policy_init"
         if (init_dir / "config.json").exists():
             self.tokenizer = load_tokenizer(init_dir)
@@ -111,6 +115,7 @@ class Controller:
                 cfg.run.seed,
                 on_step=lambda s, loss: bar.set_postfix(loss=f"{loss:.3f}", refresh=False) or bar.update(),
                 demo_error=cfg.sft.demo_error,
+                tools=self.envs.tool_schemas if self.envs else None,  # the episodes' prompts list them
             )
             bar.close()
         save_model_dir(model, tokenizer, init_dir)
@@ -121,6 +126,11 @@ class Controller:
         """The actors, the weight sync between them, the context algorithms see and the rollout source."""
         cfg = self.cfg
         self.policy_dir = Path(policy_dir)  # the initial policy (a learner restart goes back to it)
+        episodes = None  # how env.name's episodes are played: checked before any actor starts
+        if self.envs is not None:
+            episodes = EpisodeSettings.for_tokenizer(
+                self.tokenizer, self.envs.make, cfg.env.max_turns, self._episode_tokens(), self.envs.tool_schemas
+            )
         teacher_dir = (
             self.algorithm.teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)
             if isinstance(self.algorithm, HasTeacher)
@@ -153,8 +163,9 @@ class Controller:
             self.ctx.teacher = (
                 ray.remote(ReferenceWorker).options(**service_options(cfg, 0.25)).remote(str(teacher_dir), temperature)
             )
-        if getattr(self.task, "needs_sandbox", False):
+        if self.needs_sandbox:
             self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)
+        self.ctx.episodes = episodes
         self.stream = PromptStream(
             [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))], cfg.run.seed
         )
@@ -187,21 +198,47 @@ class Controller:
         for actor in actors:
             ray.kill(actor)
 
+    @property
+    def needs_sandbox(self) -> bool:
+        """The task runs code (task.name code), or an episode's tool does (env.tools: python)."""
+        return getattr(self.task, "needs_sandbox", False) or "python" in self.cfg.env.tools
+
+    def _sandbox_limits(self) -> Limits:
+        s = self.cfg.sandbox
+        return Limits(wall_time_s=s.wall_time_s, cpu_time_s=s.cpu_time_s, memory_mb=s.memory_mb)
+
+    def _run_sandboxed(self, requests):
+        """The python tool's runner: the run's sandbox pool, through the context (started with the actors)."""
+        return self.ctx.execute(requests)
+
+    def _episode_tokens(self) -> int:
+        """An episode's token budget: env.max_tokens, at most (and by default) the policy's context."""
+        context = context_length(json.loads((self.policy_dir / "config.json").read_text()))
+        budget = self.cfg.env.max_tokens or context
+        if budget is None:
+            raise ConfigError("config error: 'env.max_tokens' is null and the model states no context length: set it")
+        if context is not None and budget > context:
+            raise ConfigError(
+                f"config error: 'env.max_tokens'={budget}: above the model's context of {context} tokens "
+                f"(allowed: at most {context}, or null for it)"
+            )
+        return budget
+
     def _check_sandbox(self) -> None:
-        """A task that runs code gets the configured backend and limits, or the run stops here
-        with one line saying why the sandbox engine is unusable."""
-        if not getattr(self.task, "needs_sandbox", False):
+        """A task (or a tool) that runs code gets the configured backend and limits, or the run
+        stops here with one line saying why the sandbox engine is unusable."""
+        if not self.needs_sandbox:
             return
         s = self.cfg.sandbox
         why = unavailable(s.backend)
         if why:
+            what = f"task '{self.cfg.task.name}'" if getattr(self.task, "needs_sandbox", False) else "env.tools' python"
             raise RunFailed(
-                f"task '{self.cfg.task.name}' runs code in the {s.backend} sandbox, which is unavailable "
+                f"{what} runs code in the {s.backend} sandbox, which is unavailable "
                 f"here: {why} (set up the engines: .ci/setup_sandbox.sh; or set sandbox.backend)"
             )
-        self.task.use_sandbox(
-            s.backend, Limits(wall_time_s=s.wall_time_s, cpu_time_s=s.cpu_time_s, memory_mb=s.memory_mb)
-        )
+        if getattr(self.task, "needs_sandbox", False):
+            self.task.use_sandbox(s.backend, self._sandbox_limits())
 
     def _prompt(self, uid: str, row: dict) -> Prompt:
         ids, text = prompt_ids(self.task, self.tokenizer, row)
@@ -249,7 +286,10 @@ class Controller:
         temperature, over `samples` responses per prompt, with `pass@k` for k = 2, 4, ... up to
         `samples` (`pass_at_k`). With a reward function or server, a response is correct where
         its reward is >= 1 (as `accuracy/train`) and the mean reward is reported too; else the
-        task's `is_correct` decides. An algorithm with an `evaluate` hook measures it its own way."""
+        task's `is_correct` decides. An algorithm with an `evaluate` hook measures it its own way.
+        With `env.name` set, each sample is a multi-turn episode (algorithms/episodes.py) whose
+        final answer is graded so (an env that grades itself: its `correct`), with the
+        episodes' `episode/*` and `tools/*` rates."""
         rows = self.task.rows(split)
         prompts = [self._prompt(f"{split}-{i}", row) for i, row in enumerate(rows)]
         greedy = self.cfg.rollout.eval_greedy if greedy is None else greedy
@@ -257,20 +297,36 @@ class Controller:
         params = self.ctx.sampling(n=1 if greedy else samples, temperature=temperature, seed=12345)
         if isinstance(self.algorithm, EvaluatesItself):  # its own protocol (RLEF: multi-turn episodes, 1@3)
             return {**self.algorithm.evaluate(self.ctx, prompts, params), "n": float(len(prompts))}
-        gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
-        texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
-        metas = [prompts[g.request_index].meta for g in gens]
-        extra = {}
-        if self.reward_has_scorer:
-            rewards = np.asarray(ray.get(self.reward.heldout_rewards.remote(texts, metas)))
-            correct, extra = rewards >= 1.0, {"reward": float(rewards.mean())}
+        if self.ctx.episodes is not None:  # multi-turn episodes, n per prompt
+            episodes = play_episodes(self.ctx, prompts, params.n, params)
+            prompt_index = [i for i in range(len(prompts)) for _ in range(params.n)]
+            correct, extra = np.array([bool(e.correct) for e in episodes]), {}
+            answered = final_answers(episodes)
+            if answered:
+                answers = [episodes[i] for i in answered]
+                graded, extra = self._graded([e.answer for e in answers], [e.prompt.meta for e in answers])
+                correct[answered] = graded
+                for e, right in zip(answers, graded):
+                    e.correct = bool(right)
+            extra |= summary_metrics([e.summary() for e in episodes])
         else:
-            correct = np.array([self.task.is_correct(meta, t) for meta, t in zip(metas, texts)])
+            gens = self.ctx.generate([GenerationRequest(p.prompt_ids, params) for p in prompts])
+            texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+            prompt_index = [g.request_index for g in gens]
+            correct, extra = self._graded(texts, [prompts[i].meta for i in prompt_index])
         if params.n > 1:
-            per_prompt = np.bincount([g.request_index for g in gens], weights=correct, minlength=len(prompts))
+            per_prompt = np.bincount(prompt_index, weights=correct, minlength=len(prompts))
             ks = [2**i for i in range(1, int(np.log2(params.n)) + 1)]
             extra |= {f"pass@{k}": pass_at_k(per_prompt, params.n, k) for k in ks}
         return {"accuracy": float(np.mean(correct)), **extra, "n": float(len(correct))}
+
+    def _graded(self, texts: list[str], metas: list[dict]) -> tuple[np.ndarray, dict[str, float]]:
+        """(correct per response, extra metrics) of held-out responses: reward >= 1 with a reward
+        function or server (and the mean reward), else the task's `is_correct`."""
+        if self.reward_has_scorer:
+            rewards = np.asarray(ray.get(self.reward.heldout_rewards.remote(texts, metas)))
+            return rewards >= 1.0, {"reward": float(rewards.mean())}
+        return np.array([self.task.is_correct(meta, t) for meta, t in zip(metas, texts)], dtype=bool), {}
 
     def save_checkpoint(self, metrics: dict | None = None) -> Path:
         return checkpointing.save(self, metrics)

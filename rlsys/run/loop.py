@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from algorithms.episodes import episode_metrics
 from rlsys.contract import ReportsPrepareMetrics, RestartsPolicy
 from rlsys.run.stop import stop_at_boundary
 from rlsys.tracking import Tracker, rollout_samples
@@ -73,6 +74,8 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
         batches = {name: b for name, b in batches.items() if b is not None}
         metrics = run.algorithm.prepare_metrics(table) if isinstance(run.algorithm, ReportsPrepareMetrics) else {}
         metrics |= run.reward_metrics()
+        if ctx.episodes is not None:  # multi-turn rows: their episode/* and tools/* rates
+            metrics |= episode_metrics(table)
     if batches:
         # train: every rank, not awaited (a ReST round first goes back to the initial policy)
         if isinstance(run.algorithm, RestartsPolicy) and run.algorithm.restarts_policy(table):
@@ -90,6 +93,8 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
             run.sync_weights(version, training)
     run.step += 1
     metrics |= step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
+    if "episode/correct" in metrics:  # an episode is right by its final answer, whatever its turns' rewards
+        metrics["accuracy/train"] = metrics["episode/correct"]
     metrics |= staleness_metrics(staleness)
     return metrics, table, staleness
 

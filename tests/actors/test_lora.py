@@ -11,7 +11,7 @@ from actors.lora import SCALING, MergedAdapters, adapter_pairs, merged_weight, w
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir
 from tests.fakes import rows_sharing_prompts
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "in_process_learners")
 
 SPEC = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"], export="merged")

@@ -225,6 +225,13 @@ def test_deepspeed_config_builder():
         cfg = deepspeed_config(stage, 0.5, bf16=True)
         assert cfg["bf16"] == {"enabled": True} and cfg["zero_optimization"]["stage"] == stage
         assert {k: v for k, v in cfg.items() if k != "bf16"} == deepspeed_config(stage, 0.5)
+    # learner.offload: the optimizer state (and under ZeRO-3 the parameters) to host memory
+    offloaded = deepspeed_config(3, 1.0, offload="params")
+    assert offloaded["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert offloaded["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert offloaded["zero_force_ds_cpu_optimizer"] is False
+    assert "offload_param" not in deepspeed_config(2, 1.0, offload="optimizer")["zero_optimization"]
+    assert deepspeed_config(2, 1.0, offload="none") == cpu
     device, backend = learner_device()
     assert (device, backend) == (("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo"))
     assert learner_device(prefer_cuda=False) == ("cpu", "gloo")

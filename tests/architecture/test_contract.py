@@ -304,6 +304,7 @@ class FakeContext:
         from actors.rollout import HFBackend
 
         self.cfg, self.task, self.tokenizer, self.policy_version = cfg, task, tokenizer, 0
+        self.episodes = None  # single-turn rollouts (multi-turn episodes: tests/algorithms/test_episodes.py)
         self.modules, self.main = modules, next(iter(modules))
         self.temperature = cfg.rollout.temperature or 1.0  # the learner's and the reference's (controller's rule)
         self.reference = ReferenceWorker(str(model_dirs["reference"]), self.temperature)

@@ -144,8 +144,10 @@ def dirs(tmp_path_factory, tokenizer):
             for p in learner.module.policy.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
         learner.export_hf(str(root / "hf"))
-    finally:
-        torch.distributed.destroy_process_group()
+    finally:  # DeepSpeed's close: it also drops the groups it cached, so a later learner in this process starts clean
+        import deepspeed.comm
+
+        deepspeed.comm.destroy_process_group()
     made["hf"] = root / "hf"
     made["old"] = old
     made["quantized"] = root / "quantized"  # `rlsys quantize` of the qwen2 dir
