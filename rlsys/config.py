@@ -305,6 +305,24 @@ class RolloutConfig(Section):
         return {"k": self.specache_k, "bits": self.specache_bits, "window": self.specache_window}
 
 
+def located_file_spec(key: str, spec: Optional[str], config_dir: Path | None) -> Optional[str]:
+    """A `path/to/file.py:name` spec with its file found and made absolute: a relative path is looked
+    up from the working directory, then from `config_dir` (the config file's); a one-line ConfigError
+    naming `key` when it is in neither. Other specs (a module path, a built-in name, None) as they are."""
+    target, _, name = (spec or "").rpartition(":")
+    if not target.endswith(".py"):
+        return spec
+    path = Path(target)
+    places = [path] if path.is_absolute() else [Path.cwd() / path]
+    if config_dir is not None and not path.is_absolute():
+        places.append(Path(config_dir) / path)
+    for place in places:
+        if place.is_file():
+            return f"{place.resolve()}:{name}"
+    where = " or ".join(str(p.parent) for p in places)
+    raise ConfigError(f"config error: {key} = {spec!r}: no file {target} in {where}")
+
+
 class LoraSettings(Section):
     """LoRA adapters (peft) instead of full fine-tuning: the learner trains and syncs the adapters only."""
 
@@ -644,18 +662,7 @@ class EnvConfig(Section):
 
     def located_name(self, config_dir: Path | None) -> Optional[str]:
         """env.name with its file (path/to/file.py:ClassName) found and made absolute, as reward.function's."""
-        target, _, name = (self.name or "").rpartition(":")
-        if not target.endswith(".py"):
-            return self.name
-        path = Path(target)
-        places = [path] if path.is_absolute() else [Path.cwd() / path]
-        if config_dir is not None and not path.is_absolute():
-            places.append(Path(config_dir) / path)
-        for place in places:
-            if place.is_file():
-                return f"{place.resolve()}:{name}"
-        where = " or ".join(str(p.parent) for p in places)
-        raise ConfigError(f"config error: env.name = {self.name!r}: no file {target} in {where}")
+        return located_file_spec("env.name", self.name, config_dir)
 
 
 class JudgeConfig(Section):
@@ -884,18 +891,9 @@ class RewardConfig(Section):
         """reward.function with its file (path/to/file.py:name) found and made absolute: a relative path is looked
         up from the working directory, then from `config_dir` (the config file's); ConfigError when it is in
         neither. Built-ins and module paths as they are."""
-        target, _, name = (self.function or "").rpartition(":")
-        if not target.endswith(".py") or self.function in BUILTIN_REWARD_FUNCTIONS:
+        if self.function in BUILTIN_REWARD_FUNCTIONS:
             return self.function
-        path = Path(target)
-        places = [path] if path.is_absolute() else [Path.cwd() / path]
-        if config_dir is not None and not path.is_absolute():
-            places.append(Path(config_dir) / path)
-        for place in places:
-            if place.is_file():
-                return f"{place.resolve()}:{name}"
-        where = " or ".join(str(p.parent) for p in places)
-        raise ConfigError(f"config error: reward.function = {self.function!r}: no file {target} in {where}")
+        return located_file_spec("reward.function", self.function, config_dir)
 
 
 class AlgorithmSection(BaseModel):
