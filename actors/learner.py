@@ -359,6 +359,13 @@ class Learner:
         """log pi of each response token under the current weights (DA-KD's student CE)."""
         return self._per_response(table, output=1)
 
+    def reference_logprobs(self, table: pa.Table) -> list[list[float]]:
+        """log pi_ref of each response token under learner.lora: the policy with its adapters off is
+        the initial policy, so the learner is the run's reference and no copy of the base is kept.
+        Under ZeRO-3 every rank must be called (the forward gathers the parameters together)."""
+        with self.peft.disable_adapter():
+            return self._per_response(table, output=1)
+
     @torch.no_grad()
     def _per_response(self, table: pa.Table, output: int) -> list[list[float]]:
         """One of the module's outputs (1: logprobs, 2: values) at each response token."""

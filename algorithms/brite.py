@@ -53,7 +53,15 @@ from algorithms.sft import sft_loss
 from envs.arithmetic import ANSWER_MARKER, carry_dropped_answer, ones_digit_step
 from envs.base import TrainSplitView
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, AlgorithmConfig, HasWarmupTask, ModelOutputs, ReportsPrepareMetrics, Stateful
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    HasWarmupTask,
+    ModelOutputs,
+    MovesReference,
+    ReportsPrepareMetrics,
+    Stateful,
+)
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest
 
@@ -256,7 +264,7 @@ def longest_rationale_tokens(tokenizer, rows: Sequence[dict]) -> tuple[int, str]
 
 # ---- the plug-in ---------------------------------------------------------------------------------
 @register("brite")
-class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics):
+class BRiTE(Algorithm, Stateful, HasWarmupTask, ReportsPrepareMetrics, MovesReference):
     Config = BRiTEConfig
     needs_value_head = False
 

@@ -378,7 +378,8 @@ def e2e(args, out: Path) -> str:
         "| all actors GiB |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for setting, (rank, checkpointing) in LEARNER_SETTINGS.items():
+    for setting in args.e2e_settings:
+        rank, checkpointing = LEARNER_SETTINGS[setting]
         name = setting.replace(" ", "").replace("+", "-").replace("=", "")
         overrides = [
             f"model.path={policy}",
@@ -404,7 +405,7 @@ def e2e(args, out: Path) -> str:
             peaks = {
                 "learner": actor_peak_gib(c.learners[0]),
                 "worker": actor_peak_gib(c.workers[0]),
-                "reference": actor_peak_gib(c.reference),
+                "reference": actor_peak_gib(c.reference) if c.reference else 0.0,  # LoRA: the learner's base
             }
             total = sum(peaks.values()) + actor_peak_gib(c.reward) + actor_peak_gib(c.buffer)
             step = statistics.mean(steps[1:]) if len(steps) > 1 else steps[0]
@@ -434,6 +435,11 @@ def main(argv: list[str]) -> None:
         default="full,LoRA r=16 + checkpointing",
         help=f"largest: comma-separated learner settings of {', '.join(LEARNER_SETTINGS)}",
     )
+    p.add_argument(
+        "--e2e-settings",
+        default=",".join(LEARNER_SETTINGS),
+        help=f"e2e: comma-separated learner settings of {', '.join(LEARNER_SETTINGS)}",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/bench-memory"))
     p.add_argument("--child", help=argparse.SUPPRESS)  # lora: one learner setting, run by in_child
     args = p.parse_args(argv)
@@ -446,9 +452,11 @@ def main(argv: list[str]) -> None:
         print(json.dumps(learner_child(json.loads(args.child))))
         return
     args.shapes = args.shapes.split(",")
-    args.largest_settings = args.largest_settings.split(",")
-    if set(args.largest_settings) - set(LEARNER_SETTINGS):
-        p.error(f"--largest-settings: unknown {sorted(set(args.largest_settings) - set(LEARNER_SETTINGS))}")
+    for option in ("largest_settings", "e2e_settings"):
+        setattr(args, option, getattr(args, option).split(","))
+        if set(getattr(args, option)) - set(LEARNER_SETTINGS):
+            flag = "--" + option.replace("_", "-")
+            p.error(f"{flag}: unknown {sorted(set(getattr(args, option)) - set(LEARNER_SETTINGS))}")
     sections = args.sections.split(",")
     if set(sections) - set(SECTIONS):
         p.error(f"--sections: unknown {sorted(set(sections) - set(SECTIONS))} (choose from {', '.join(SECTIONS)})")

@@ -49,9 +49,9 @@ def warm_policy(config: str, overrides: list[str], out: Path) -> tuple[Path, flo
     return policy_dir, time.perf_counter() - start
 
 
-def run_method(config, overrides, method, seed, warm_dir, out, budget, eval_every, pass_k) -> list[dict]:
-    """One method and seed from the warm policy until `budget` training samples; the curve of
-    held-out evaluations every `eval_every` samples (and at 0 and at the end)."""
+def start_method(config, overrides, method, seed, warm_dir, out):
+    """A Controller of `method` and `seed` with its actors started from a copy of the warm policy
+    (OUT/METHOD-sSEED/policy_init, which prepare_policy reuses: every method starts the same)."""
     from rlsys.config import load_config
     from rlsys.run.controller import Controller
 
@@ -62,9 +62,17 @@ def run_method(config, overrides, method, seed, warm_dir, out, budget, eval_ever
     )
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.copytree(warm_dir, run_dir / "policy_init")  # the same start: prepare_policy reuses it
+    shutil.copytree(warm_dir, run_dir / "policy_init")
     c = Controller(cfg, run_dir, progress=False)
     c.start_actors(c.prepare_policy())
+    return c
+
+
+def run_method(config, overrides, method, seed, warm_dir, out, budget, eval_every, pass_k) -> list[dict]:
+    """One method and seed from the warm policy until `budget` training samples; the curve of
+    held-out evaluations every `eval_every` samples (and at 0 and at the end)."""
+    name = f"{method}-s{seed}"
+    c = start_method(config, overrides, method, seed, warm_dir, out)
     point = lambda samples, wall, steps, extra: {  # noqa: E731
         "method": method,
         "seed": seed,
@@ -92,6 +100,16 @@ def run_method(config, overrides, method, seed, warm_dir, out, budget, eval_ever
     finally:
         c.shutdown()
     return curve
+
+
+def read_curves(paths: list[Path]) -> dict[tuple[str, int], list[dict]]:
+    """(method, seed) -> its evaluations, in order, from reasoning.jsonl files."""
+    curves: dict[tuple[str, int], list[dict]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            point = json.loads(line)
+            curves.setdefault((point["method"], point["seed"]), []).append(point)
+    return curves
 
 
 def at_wall_time(curve: list[dict], seconds: float) -> dict:
@@ -171,6 +189,13 @@ def main(argv: list[str]) -> None:
     p.add_argument(
         "--warm", type=Path, help="a warmed-up policy dir to start from (a run's policy_init); default: warm up"
     )
+    p.add_argument(
+        "--with-curves",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="reasoning.jsonl files of earlier runs (other seeds) to put in the table and plot beside these",
+    )
     args, overrides = p.parse_known_args(argv)
     per_method = {}
     for item in args.set:
@@ -184,8 +209,9 @@ def main(argv: list[str]) -> None:
     else:
         warm_dir, warm_s = warm_policy(args.config, overrides, args.out)
         print(f"warm-up: {warm_s:.0f} s ({args.config} {' '.join(overrides)})", flush=True)
-    curves = {}
+    curves = read_curves(args.with_curves)
     with (args.out / "reasoning.jsonl").open("w") as log:
+        log.write("".join(json.dumps(point) + "\n" for curve in curves.values() for point in curve))
         for method in args.methods:
             for seed in args.seeds:
                 curve = run_method(

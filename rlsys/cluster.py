@@ -8,18 +8,30 @@ gets its own temp dir and a fresh token inside it.
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import socket
 import sys
 import tempfile
 from pathlib import Path
 
+RENDEZVOUS_PORTS = range(20000, 32768)  # above Ray's worker ports (10002-19999), below the kernel's ephemeral ones
+
 
 def free_port() -> int:
-    """A free TCP port on loopback (a rendezvous for torch.distributed groups)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port (a rendezvous for torch.distributed groups), drawn from RENDEZVOUS_PORTS:
+    a port the kernel hands out for outgoing connections (as bind(0) does) could be taken by any
+    process's connection before the group binds it."""
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.choice(RENDEZVOUS_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1} after 200 tries")
 
 
 def ray_env_for_local(temp_dir: Path) -> dict[str, str]:

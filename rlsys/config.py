@@ -332,7 +332,8 @@ class LoraSettings(Section):
         le=1024,
         description="adapter rank r; 0: no LoRA, every weight trains. With r > 0 the optimizer holds the adapters "
         "(and a critic's value head) only, the weight sync sends the adapters and the rollout workers merge them "
-        "into their copy of the initial weights (W0 + alpha/r * B A)",
+        "into their copy of the initial weights (W0 + alpha/r * B A); the learner with its adapters off is the "
+        "reference (no reference actor, except for an algorithm that moves its anchor: BRiTE)",
     )
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapters' update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input in the training forward")

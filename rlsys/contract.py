@@ -183,6 +183,12 @@ class PlaysEpisodes:
     per-turn `token_rewards`)."""
 
 
+class MovesReference:
+    """A marker: the KL anchor moves during the run (`ctx.anchor_reference` loads the current
+    policy into it), so under learner.lora the reference stays a worker of its own instead of the
+    learner's base weights with the adapters off."""
+
+
 CAPABILITIES: tuple[type, ...] = (
     Stateful,
     ReportsPrepareMetrics,
@@ -195,6 +201,7 @@ CAPABILITIES: tuple[type, ...] = (
     UsesProximalLogprobs,
     TrainsOnStaleRows,
     PlaysEpisodes,
+    MovesReference,
 )
 
 

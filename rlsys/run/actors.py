@@ -15,7 +15,7 @@ from rlsys.buffer import ExperienceBuffer
 from rlsys.checkpoint import candidates
 from rlsys.cluster import free_port
 from rlsys.config import JobConfig
-from rlsys.contract import Algorithm, policy_names
+from rlsys.contract import Algorithm, MovesReference, policy_names
 from rlsys.errors import LearnerFailed, RunFailed
 from rlsys.placement import (
     learner_gpus,
@@ -36,22 +36,24 @@ class RunActors:
     policy first), the reference, the reward source and the experience buffer."""
 
     policies: dict[str, PolicyActors]
-    reference: object
+    reference: object  # None under learner.lora: the learner's base with its adapters off (`reference_on_learner`)
     reward: object
     buffer: object
     groups: list = field(default_factory=list)  # the placement groups the learner ranks or vLLM engines hold
 
     @property
     def services(self) -> dict:
-        return {"reference": self.reference, "reward": self.reward, "buffer": self.buffer}
+        named = {"reference": self.reference, "reward": self.reward, "buffer": self.buffer}
+        return {name: actor for name, actor in named.items() if actor is not None}
 
     def all(self) -> list:
-        return [
-            self.reference,
-            self.reward,
-            self.buffer,
-            *(a for p in self.policies.values() for a in [*p.workers, *p.learners]),
-        ]
+        return [*self.services.values(), *(a for p in self.policies.values() for a in [*p.workers, *p.learners])]
+
+
+def reference_on_learner(cfg: JobConfig, algorithm: Algorithm) -> bool:
+    """Whether the learner is the run's reference: under learner.lora its base weights with the
+    adapters off are the initial policy, unless the algorithm moves its KL anchor (MovesReference)."""
+    return cfg.learner.lora.rank > 0 and not isinstance(algorithm, MovesReference)
 
 
 def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -> RunActors:
@@ -123,9 +125,9 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
         policies[name] = PolicyActors([worker(0, num_cpus=0.1)], [learner(0, 1, free_port(), num_cpus=0.1)])
     run = RunActors(
         policies,
-        reference=ray.remote(ReferenceWorker)
-        .options(**service_options(cfg, 0.25))
-        .remote(str(policy_dir), temperature),
+        reference=None
+        if reference_on_learner(cfg, algorithm)
+        else ray.remote(ReferenceWorker).options(**service_options(cfg, 0.25)).remote(str(policy_dir), temperature),
         reward=start_reward_actor(
             cfg.reward, policy_dir, task, cfg.run.seed, cfg.sandbox, cfg.placement.services.resources
         ),

@@ -66,7 +66,8 @@ def restore(run) -> tuple[Path, dict]:
             )
             ray.get(run.buffer.load.remote(str(path / "buffer.parquet")))
             anchor = run.policy_dir if state.get("reference_version") is None else path / "reference"
-            ray.get(run.reference.load_weights.remote(None, str(anchor)))
+            if run.reference is not None:  # None: the learner's base is the reference (learner.lora)
+                ray.get(run.reference.load_weights.remote(None, str(anchor)))
         except Exception as e:  # any unreadable part: report it and try the previous one
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             nxt = f"falling back to {tried[i + 1].name}" if i + 1 < len(tried) else "no older checkpoint left"

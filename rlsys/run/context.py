@@ -174,18 +174,27 @@ class ActorContext:
         with self.timed("reward"):
             return ray.get(self.reward.take_token_rewards.remote(table.column("uid").to_pylist()))
 
+    def _ask_reference(self, table) -> list:
+        """The calls whose first answer is log pi_ref of `table`'s response tokens: the reference
+        worker's, or with no worker (learner.lora) the learner's with its adapters off, from every
+        rank under ZeRO-3 (its forward gathers the parameters together) and from rank 0 otherwise."""
+        if self.reference is not None:
+            return [self.reference.logprobs.remote(table)]
+        ranks = self.learners if self.cfg.learner.zero_stage == 3 else self.learners[:1]
+        return [l.reference_logprobs.remote(table) for l in ranks]
+
     def ref_logprobs(self, table):
         with self.timed("reference"):
-            return ray.get(self.reference.logprobs.remote(table))
+            return ray.get(self._ask_reference(table))[0]
 
     def score_and_ref_logprobs(self, table):
         """`score` and `ref_logprobs` of one table, the reward and reference workers working at
         once; each phase's time runs from the common start to its own answer (they overlap)."""
         start = time.perf_counter()
-        rewards, ref_logprobs = self.reward.score.remote(table), self.reference.logprobs.remote(table)
+        rewards, ref_logprobs = self.reward.score.remote(table), self._ask_reference(table)
         rewards = ray.get(rewards)
         self.timings["reward"] += time.perf_counter() - start
-        ref_logprobs = ray.get(ref_logprobs)
+        ref_logprobs = ray.get(ref_logprobs)[0]
         self.timings["reference"] += time.perf_counter() - start
         return rewards, ref_logprobs
 

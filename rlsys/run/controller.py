@@ -186,9 +186,7 @@ class Controller:
         self.release_groups()
         self._kill(
             [
-                self.reference,
-                self.reward,
-                self.buffer,
+                *(a for a in (self.reference, self.reward, self.buffer) if a is not None),
                 *(a for p in self.policies.values() for a in [*p.workers, *p.learners]),
             ]
         )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from actors.lora import SCALING, MergedAdapters, adapter_pairs, merged_weight, write_peft_adapter
+from rlsys.experience import make_experience
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir
 from tests.fakes import rows_sharing_prompts
 
@@ -92,6 +93,38 @@ def test_a_worker_and_the_reference_serve_what_the_learner_trains(model_dir):
         assert torch.allclose(logits_of(backend.model, batch), want, **CLOSE)
         assert torch.allclose(logits_of(reference.model, batch), want, **CLOSE)
         learner.engine.train()
+
+
+def test_the_learner_with_its_adapters_off_is_the_reference(model_dir):
+    """Under learner.lora the run's reference is the learner's base with the adapters off: after
+    steps that moved the adapters its logprobs are a reference worker's over the initial policy,
+    not the policy's own, and the adapters are on again afterwards."""
+    from actors.reference import ReferenceWorker
+
+    learner = make_learner(model_dir)
+    for _ in range(3):
+        learner.train_step(training_batch())
+    g = torch.Generator().manual_seed(5)
+    rows = [
+        dict(
+            uid=f"{i}-{k}",
+            group=str(i),
+            prompt_ids=torch.randint(3, 64, (2 + i,), generator=g).tolist(),
+            response_ids=torch.randint(3, 64, (1 + k,), generator=g).tolist(),
+            logprobs=[],
+            reward=0.0,
+            policy_version=0,
+        )
+        for i in range(3)
+        for k in range(3)
+    ]
+    table = make_experience(rows)
+    policy = learner.logprobs(table)
+    got, want = learner.reference_logprobs(table), ReferenceWorker(str(model_dir)).logprobs(table)
+    flat = lambda rows: np.concatenate([np.asarray(r) for r in rows])
+    assert np.allclose(flat(got), flat(want), atol=1e-5)
+    assert np.abs(flat(policy) - flat(want)).max() > 1e-3
+    assert np.array_equal(flat(learner.logprobs(table)), flat(policy))
 
 
 def test_a_generation_after_a_lora_sync_uses_the_merged_weights(model_dir):

@@ -2,6 +2,7 @@
 the fastest method's training time, means over seeds with their range."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,3 +31,13 @@ def test_the_table_compares_at_equal_samples_and_at_the_fastest_methods_wall_tim
     # at 100 s VinePPO has only its start point: 0.1, though it ends higher at equal samples
     assert vineppo.startswith("| vineppo | 0.100 (0.100-0.100) | 0.700 (0.700-0.700) | 0.900 (0.900-0.900) | 0.100")
     assert bench.at_wall_time(CURVES[("vineppo", 0)], 160)["greedy"] == 0.6
+
+
+def test_earlier_seeds_are_read_back_by_method_and_seed(tmp_path):
+    path = tmp_path / "reasoning.jsonl"
+    path.write_text(
+        "".join(json.dumps({"method": m, "seed": s, **p}) + "\n" for (m, s), c in CURVES.items() for p in c)
+    )
+    curves = bench.read_curves([path])
+    assert list(curves) == list(CURVES)
+    assert all([p["greedy"] for p in curves[key]] == [p["greedy"] for p in CURVES[key]] for key in CURVES)

@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from test_jobs import cluster_env, free_port
+from test_jobs import cluster_env
+
+from rlsys.cluster import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rlsys.cluster import free_port
 from rlsys.config import ConfigError
 from rlsys.jobs import token_auth_off_loopback
 
@@ -28,12 +29,6 @@ TINY = [
     "rollout.max_new_tokens=3",
     "trainer.steps=2",
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def non_loopback_ip() -> str | None:

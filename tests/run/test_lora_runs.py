@@ -3,6 +3,9 @@ rollout workers through each sync mode (object store, shared memory, broadcast).
 serving the learner's merged weights, and the three modes train the same run (the same metrics
 rows): each delivered the same adapters."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from fakes import TINY_JOB
@@ -29,6 +32,8 @@ def test_every_sync_mode_delivers_the_adapters_the_learner_trains(ray_cluster, t
             + ["rollout.max_new_tokens=6", "trainer.checkpoint_every=2", f"trainer.weight_sync={sync}"]
             + [f"run.output_dir={tmp_path}", f"run.name={sync}"],
         )
+        if rows:  # the first run's warmed-up policy, not warmed up again
+            shutil.copytree(tmp_path / "object_store" / "policy_init", tmp_path / sync / "policy_init")
         c = Controller(cfg, tmp_path / sync, progress=False)
         c.run()
         synced = ray_cluster.get(c.learners[0].weights.remote())
@@ -40,6 +45,8 @@ def test_every_sync_mode_delivers_the_adapters_the_learner_trains(ray_cluster, t
             assert all(np.allclose(served[k], merged[k], atol=1e-6) for k in merged)
             moved = {k.rsplit(".", 2)[-2] for k in merged if not np.array_equal(served[k], initial[k])}
             assert moved == set(LoraSettings().target_modules)  # the adapted layers, and they only
+        placement = json.loads((tmp_path / sync / "placement.json").read_text())
+        assert "reference" not in placement["services"]  # the learner's base with its adapters off is the reference
         c.shutdown()
         rows[sync] = [
             {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
@@ -47,3 +54,4 @@ def test_every_sync_mode_delivers_the_adapters_the_learner_trains(ray_cluster, t
         ]
     assert rows["object_store"] == rows["shared_memory"] == rows["broadcast"]
     assert len(rows["broadcast"]) == 2
+    assert rows["broadcast"][0]["kl_ref"] == 0 < rows["broadcast"][1]["kl_ref"]  # B starts at zero, then moves
