@@ -32,6 +32,12 @@ Train and eval never share a problem. The same seed writes the same files:
 
     python -m envs.agent_arithmetic                 # configs/data/agent_arithmetic_{train,eval}.jsonl
     python -m envs.agent_arithmetic --train 500 --eval 50 --seed 1 --out /tmp/agent
+    python -m envs.agent_arithmetic --tool python --out /tmp/agent-python
+
+`tool="python"` (`--tool python`) writes the same problems for the python tool (the sandbox)
+instead: the prompt says "Use python", each call is `{"name": "python", "arguments": {"code":
+"print(<expression>)"}}` and its tool message is what the real python tool returns for it (the
+printed value: `python_tool`'s output of a run that printed it); the calculator data is unchanged.
 """
 
 from __future__ import annotations
@@ -45,9 +51,13 @@ from pathlib import Path
 from typing import Callable
 
 from envs.datasets import write_rows
-from envs.tools import ToolCall, call_tool, load_tools
+from envs.tools import ToolCall, calculator, call_tool, load_tools, python_tool
+from sandbox.types import ExecResult
 
 INSTRUCTION = "Use the calculator, then give the final answer as \\boxed{}."
+INSTRUCTIONS = {"calculator": INSTRUCTION, "python": "Use python, then give the final answer as \\boxed{}."}
+TOOLS = tuple(INSTRUCTIONS)
+PRINTED = re.compile(r"print\((.+)\)")
 FLAWS = ("operator", "operand", "guess")
 OPERATOR_SWAP = {"*": "+", "+": "-", "-": "+"}
 OPERAND = re.compile(r"\d+")
@@ -152,10 +162,20 @@ class Problem:
 # ---- demonstrations ----------------------------------------------------------------------------
 
 
-def call_text(expression: str) -> str:
-    """A calculator call of `expression` in the Hermes format."""
-    call = {"name": "calculator", "arguments": {"expression": expression}}
-    return f"<tool_call>{json.dumps(call)}</tool_call>"
+def tool_call(expression: str, tool: str = "calculator") -> ToolCall:
+    """The call that computes `expression` with `tool`: the calculator's expression, or a python
+    program that prints it."""
+    if tool == "calculator":
+        return ToolCall("calculator", {"expression": expression})
+    if tool == "python":
+        return ToolCall("python", {"code": f"print({expression})"})
+    raise ValueError(f"unknown tool {tool!r} (allowed: {', '.join(TOOLS)})")
+
+
+def call_text(expression: str, tool: str = "calculator") -> str:
+    """A call of `tool` computing `expression` (`tool_call`) in the Hermes format."""
+    call = tool_call(expression, tool)
+    return f"<tool_call>{json.dumps({'name': call.name, 'arguments': call.arguments})}</tool_call>"
 
 
 def answer_text(value: int | str) -> str:
@@ -172,11 +192,37 @@ def calculator_message(expression: str) -> dict:
     return result.message()
 
 
-def tool_demonstration(expression: str) -> list[dict]:
-    """The messages after the prompt: a calculator call of `expression`, its result, that result boxed."""
-    result = calculator_message(expression)
+def printed_runs(requests) -> list[ExecResult]:
+    """What a sandbox gives for the demonstrations' programs, `print(<expression>)`: the
+    expression's value printed (computed by the calculator, which gives Python's digits for the
+    templates' integer arithmetic), so `python_tool` turns it into the tool message the real tool
+    returns. Nothing is run."""
+    results = []
+    for r in requests:
+        match = PRINTED.fullmatch(r.code.strip())
+        if match is None:
+            raise ValueError(f"not a demonstration's program (print(<expression>)): {r.code!r}")
+        results.append(ExecResult("ok", exit_code=0, stdout=calculator(match.group(1)) + "\n", id=r.id))
+    return results
+
+
+PYTHON = [python_tool(printed_runs)]
+
+
+def python_message(expression: str) -> dict:
+    """The tool message a ToolEnv gives for a python call printing `expression` (the real python
+    tool's output of a run that printed its value); ValueError when the value cannot be computed."""
+    result = call_tool(tool_call(expression, "python"), PYTHON)
+    if result.status != "ok":
+        raise ValueError(f"python's print({expression}) gave {result.status}: {result.observation}")
+    return result.message()
+
+
+def tool_demonstration(expression: str, tool: str = "calculator") -> list[dict]:
+    """The messages after the prompt: a call of `tool` computing `expression`, its result, that result boxed."""
+    result = calculator_message(expression) if tool == "calculator" else python_message(expression)
     return [
-        {"role": "assistant", "content": call_text(expression)},
+        {"role": "assistant", "content": call_text(expression, tool)},
         result,
         {"role": "assistant", "content": answer_text(result["content"])},
     ]
@@ -219,14 +265,16 @@ def typo_operand(expression: str, rng: random.Random) -> str:
     return expression[: match.start()] + typo(match.group(), rng) + expression[match.end() :]
 
 
-def flawed_demonstration(problem: Problem, flaw: str, rng: random.Random) -> tuple[str, list[dict]]:
+def flawed_demonstration(
+    problem: Problem, flaw: str, rng: random.Random, tool: str = "calculator"
+) -> tuple[str, list[dict]]:
     """(the flaw made, the demonstration with it): `flaw` (one of FLAWS), or a guess where a slip
     happened to leave the answer right; its final answer is never the problem's."""
     if flaw not in FLAWS:
         raise ValueError(f"unknown flaw {flaw!r} (allowed: {', '.join(FLAWS)})")
     if flaw != "guess":
         wrong = swap_operator if flaw == "operator" else typo_operand
-        messages = tool_demonstration(wrong(problem.expression, rng))
+        messages = tool_demonstration(wrong(problem.expression, rng), tool)
         if messages[1]["content"] != str(problem.answer):
             return flaw, messages
     return "guess", guess_demonstration(problem.answer)
@@ -256,15 +304,16 @@ def problems(n: int, rng: random.Random, exclude: frozenset[str] = frozenset()) 
     return list(out.values())
 
 
-def row(problem: Problem, rng: random.Random) -> dict:
-    """A dataset row: the prompt as chat messages, the answer, the demonstration, a flawed one."""
-    demonstration = tool_demonstration(problem.expression)
+def row(problem: Problem, rng: random.Random, tool: str = "calculator") -> dict:
+    """A dataset row: the prompt as chat messages, the answer, the demonstration, a flawed one
+    (their calls to `tool`)."""
+    demonstration = tool_demonstration(problem.expression, tool)
     computed = demonstration[1]["content"]
     if computed != str(problem.answer):
-        raise ValueError(f"the calculator gives {computed} for {problem.expression}, not {problem.answer}")
-    flaw, flawed = flawed_demonstration(problem, rng.choice(FLAWS), rng)
+        raise ValueError(f"the {tool} tool gives {computed} for {problem.expression}, not {problem.answer}")
+    flaw, flawed = flawed_demonstration(problem, rng.choice(FLAWS), rng, tool)
     return {
-        "prompt": [{"role": "user", "content": f"{problem.text} {INSTRUCTION}"}],
+        "prompt": [{"role": "user", "content": f"{problem.text} {INSTRUCTIONS[tool]}"}],
         "answer": str(problem.answer),
         "expression": problem.expression,
         "demonstration": demonstration,
@@ -273,12 +322,15 @@ def row(problem: Problem, rng: random.Random) -> dict:
     }
 
 
-def generate(n_train: int, n_eval: int, seed: int = 0) -> dict[str, list[dict]]:
-    """The train and eval rows (eval drawn first; no training problem has an eval expression)."""
+def generate(n_train: int, n_eval: int, seed: int = 0, tool: str = "calculator") -> dict[str, list[dict]]:
+    """The train and eval rows (eval drawn first; no training problem has an eval expression),
+    their demonstrations calling `tool` (calculator or python; the same problems and flaws for both)."""
+    if tool not in TOOLS:
+        raise ValueError(f"unknown tool {tool!r} (allowed: {', '.join(TOOLS)})")
     rng = random.Random(seed)
     held_out = problems(n_eval, rng)
     train = problems(n_train, rng, exclude=frozenset(p.expression for p in held_out))
-    return {"train": [row(p, rng) for p in train], "eval": [row(p, rng) for p in held_out]}
+    return {"train": [row(p, rng, tool) for p in train], "eval": [row(p, rng, tool) for p in held_out]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,8 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval", type=int, default=200, help="held-out problems (never among the training ones)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("configs/data"), help="directory of the two .jsonl files")
+    p.add_argument("--tool", choices=TOOLS, default="calculator", help="the tool the demonstrations call")
     args = p.parse_args(argv)
-    for split, rows in generate(args.train, args.eval, args.seed).items():
+    for split, rows in generate(args.train, args.eval, args.seed, args.tool).items():
         print(write_rows(rows, args.out / f"agent_arithmetic_{split}.jsonl"))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import statistics
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from .backends import make_backend
 from .types import ExecRequest, ExecResult
 
 GRACE_S = 30.0  # beyond the run's own wall limit before the pool gives up on a worker
+POLL_S = 0.05  # how often a call with requests queued looks for a worker another call gave back
 
 
 def one_line(e: BaseException | None) -> str:
@@ -47,7 +49,7 @@ class SandboxWorker:
 @dataclass
 class PoolMetrics:
     runs: int = 0
-    busy_s: float = 0.0  # wall time inside run_many
+    busy_s: float = 0.0  # wall time with at least one run_many call under way
     queue_waits: list[float] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
     retries: int = 0
@@ -70,7 +72,8 @@ class SandboxPool:
     """`SandboxPool("bwrap", workers=4).run_many(requests)` -> results in request order.
     Needs `ray.init()` first. `num_cpus` per worker defaults to 0: the bound on
     concurrency is `workers`, not Ray's CPU count. A worker that has not answered
-    `grace_s` after its run's wall limit is taken as stuck and replaced."""
+    `grace_s` after its run's wall limit is taken as stuck and replaced. Calls from several
+    threads share the workers: each run takes whichever worker is idle (episodes' tool calls)."""
 
     def __init__(
         self, backend: str = "bwrap", workers: int = 4, num_cpus: float = 0, grace_s: float = GRACE_S, **config
@@ -78,15 +81,31 @@ class SandboxPool:
         self.backend, self.config, self.num_cpus, self.grace_s = backend, config, num_cpus, grace_s
         self.workers = [self._spawn() for _ in range(workers)]
         self.metrics = PoolMetrics()
+        self._idle = list(self.workers)  # shared by concurrent calls, under _cond
+        self._cond = threading.Condition()
+        self._active, self._busy_since = 0, 0.0  # calls in run_many, and since when one has been
 
     def _spawn(self):
         return SandboxWorker.options(num_cpus=self.num_cpus).remote(self.backend, self.config)
 
+    def _take(self, wait: bool):
+        """An idle worker, or None; with `wait`, after waiting up to POLL_S for one."""
+        with self._cond:
+            if not self._idle and wait:
+                self._cond.wait(POLL_S)
+            return self._idle.pop() if self._idle else None
+
+    def _give(self, worker) -> None:
+        with self._cond:
+            self._idle.append(worker)
+            self._cond.notify()
+
     def _replace(self, worker):
         ray.kill(worker, no_restart=True)
-        self.metrics.replaced_workers += 1
         new = self._spawn()
-        self.workers[self.workers.index(worker)] = new
+        with self._cond:
+            self.metrics.replaced_workers += 1
+            self.workers[self.workers.index(worker)] = new
         return new
 
     def run(self, req: ExecRequest) -> ExecResult:
@@ -94,50 +113,62 @@ class SandboxPool:
 
     def run_many(self, requests: list[ExecRequest]) -> list[ExecResult]:
         t0 = time.monotonic()
+        with self._cond:
+            self._busy_since = t0 if self._active == 0 else self._busy_since
+            self._active += 1
         results: list[ExecResult | None] = [None] * len(requests)
         queue = deque((i, 0) for i in range(len(requests)))  # (index, attempt)
-        idle = list(self.workers)
         inflight = {}  # ref -> (index, attempt, worker, deadline)
-        while queue or inflight:
-            while queue and idle:
-                i, attempt = queue.popleft()
-                worker = idle.pop()
-                if attempt == 0:
-                    self.metrics.queue_waits.append(time.monotonic() - t0)
-                deadline = time.monotonic() + requests[i].limits.wall_time_s + self.grace_s
-                inflight[worker.run.remote(requests[i])] = (i, attempt, worker, deadline)
-            wait_s = max(0.0, min(d for *_, d in inflight.values()) - time.monotonic())
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
-            for ref in ready:
-                i, attempt, worker, _ = inflight.pop(ref)
-                try:
-                    results[i] = ray.get(ref)
-                    idle.append(worker)
-                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-                    idle.append(self._replace(worker))
+        try:
+            while queue or inflight:
+                while queue and (worker := self._take(wait=not inflight)) is not None:
+                    i, attempt = queue.popleft()
                     if attempt == 0:
-                        self.metrics.retries += 1
-                        queue.appendleft((i, 1))
-                    else:
+                        self.metrics.queue_waits.append(time.monotonic() - t0)
+                    deadline = time.monotonic() + requests[i].limits.wall_time_s + self.grace_s
+                    inflight[worker.run.remote(requests[i])] = (i, attempt, worker, deadline)
+                if not inflight:  # every worker is another call's: wait for one again
+                    continue
+                wait_s = max(0.0, min(d for *_, d in inflight.values()) - time.monotonic())
+                if queue:  # a worker that another call gives back is taken soon
+                    wait_s = min(wait_s, POLL_S)
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
+                for ref in ready:
+                    i, attempt, worker, _ = inflight.pop(ref)
+                    try:
+                        results[i] = ray.get(ref)
+                        self._give(worker)
+                    except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+                        self._give(self._replace(worker))
+                        if attempt == 0:
+                            self.metrics.retries += 1
+                            queue.appendleft((i, 1))
+                        else:
+                            results[i] = ExecResult(
+                                "error", error=f"sandbox worker died twice: {one_line(e)}", id=requests[i].id
+                            )
+                    except ray.exceptions.RayTaskError as e:
+                        self._give(worker)
                         results[i] = ExecResult(
-                            "error", error=f"sandbox worker died twice: {one_line(e)}", id=requests[i].id
+                            "error", error=f"sandbox worker failed: {one_line(e.cause)}", id=requests[i].id
                         )
-                except ray.exceptions.RayTaskError as e:
-                    idle.append(worker)
-                    results[i] = ExecResult(
-                        "error", error=f"sandbox worker failed: {one_line(e.cause)}", id=requests[i].id
-                    )
-            now = time.monotonic()
-            for ref, (i, _, worker, deadline) in list(inflight.items()):
-                if now >= deadline:  # the worker ignored its own wall limit: stuck
-                    del inflight[ref]
-                    idle.append(self._replace(worker))
-                    results[i] = ExecResult(
-                        "timeout", error="sandbox worker unresponsive past the wall time limit", id=requests[i].id
-                    )
-        self.metrics.busy_s += time.monotonic() - t0
-        self.metrics.runs += len(requests)
-        self.metrics.statuses.update(r.status for r in results)
+                now = time.monotonic()
+                for ref, (i, _, worker, deadline) in list(inflight.items()):
+                    if now >= deadline:  # the worker ignored its own wall limit: stuck
+                        del inflight[ref]
+                        self._give(self._replace(worker))
+                        results[i] = ExecResult(
+                            "timeout", error="sandbox worker unresponsive past the wall time limit", id=requests[i].id
+                        )
+        finally:
+            for _, _, worker, _ in inflight.values():  # an error above: the workers go back to the pool
+                self._give(worker)
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self.metrics.busy_s += time.monotonic() - self._busy_since
+                self.metrics.runs += len(requests)
+                self.metrics.statuses.update(r.status for r in results if r is not None)
         return results
 
     def close(self) -> None:
@@ -147,4 +178,4 @@ class SandboxPool:
             except Exception:  # noqa: BLE001 - closing a dead worker is fine
                 pass
             ray.kill(w, no_restart=True)
-        self.workers = []
+        self.workers, self._idle = [], []

@@ -73,8 +73,8 @@ class ActorContext:
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
         self.prompt_stream = None  # the run's PromptStream (its cursor is checkpointed), set by the controller
+        self._timings_lock = threading.Lock()
         self.episodes = None  # an EpisodeSettings (algorithms/episodes.py) when env.name is set, by the controller
-        self._sandbox_lock = threading.Lock()  # episodes' env steps call `execute` from their threads
 
     @property
     def workers(self) -> list:
@@ -88,7 +88,8 @@ class ActorContext:
     def timed(self, phase: str):
         start = time.perf_counter()
         yield
-        self.timings[phase] += time.perf_counter() - start
+        with self._timings_lock:  # episodes' env steps time their sandbox runs from their threads
+            self.timings[phase] += time.perf_counter() - start
 
     def sampling(self, **overrides) -> SamplingParams:
         r = self.cfg.rollout
@@ -221,14 +222,14 @@ class ActorContext:
 
     def execute(self, requests):
         """Sandboxed runs (sandbox.ExecRequest), all sent to the pool at once; results in order.
-        Calls from several threads (episodes' python tool) take turns: the pool hands out its
-        workers to one call at a time (each call's runs still go to them at once)."""
+        Calls from several threads (episodes' python tool) share the pool's workers, each run on
+        whichever is idle; `time/sandbox` sums the calls' times, so it may exceed the step's."""
         if self.sandbox is None:
             raise RunFailed(
                 f"algorithm '{self.cfg.algorithm.name}' runs code, but task '{self.cfg.task.name}' has no "
                 f"sandbox pool (a task that runs code: task.name=code)"
             )
-        with self._sandbox_lock, self.timed("sandbox"):
+        with self.timed("sandbox"):
             return self.sandbox.run_many(list(requests))
 
     def teacher_top_logprobs(self, table, k: int = 0):

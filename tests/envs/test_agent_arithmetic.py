@@ -16,6 +16,7 @@ from envs.agent_arithmetic import (
     OPERATOR_SWAP,
     TEMPLATES,
     Problem,
+    call_text,
     final_text,
     generate,
     guess,
@@ -29,6 +30,7 @@ from envs.reward_functions import math_reward
 from envs.tool_env import ToolEnv
 from envs.tools import calculator, parse_tool_calls
 from rlsys.models import train_tokenizer
+from sandbox import make_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "configs" / "data"
@@ -130,6 +132,34 @@ def test_a_tool_env_plays_the_demonstration_to_reward_one():
         flawed = [m for m in row["flawed_demonstration"] if m["role"] == "assistant"]
         outcomes = [env.step(m["content"]) for m in flawed]
         assert outcomes[-1][1:3] == (0.0, True) and not outcomes[-1][3]["correct"]
+
+
+def test_the_python_form_calls_python_with_what_the_real_tool_returns(rows):
+    python_rows = generate(300, 60, seed=7, tool="python")
+    assert [r["expression"] for r in python_rows["train"]] == [r["expression"] for r in rows["train"]]
+    assert [r["flaw"] for r in python_rows["train"]] == [r["flaw"] for r in rows["train"]]
+    assert call_text("1+2") == '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+    for row in python_rows["train"][:20]:
+        assert row["prompt"][0]["content"].endswith("Use python, then give the final answer as \\boxed{}.")
+        (call,) = calls(row["demonstration"])
+        assert call.ok and call.name == "python" and call.arguments == {"code": f"print({row['expression']})"}
+        assert row["demonstration"][1] == {"role": "tool", "name": "python", "content": row["answer"]}
+        assert all(c.name == "python" for c in calls(row["flawed_demonstration"]))
+    # the tool messages are what the python tool gives when the program really runs (on the host:
+    # the unsandboxed backend, enough to run print(<expression>))
+    task = MathRewardTask(DatasetTask(DATA / "agent_arithmetic_train.jsonl", DATA / "agent_arithmetic_eval.jsonl"))
+    host = make_backend("subprocess-unsafe")
+    env = ToolEnv.from_names(task, ["python"], run=lambda requests: [host.run(r) for r in requests], max_turns=3)
+    for row in [r for r in python_rows["train"] if r["flaw"] != "guess"][:4]:
+        for key in ("demonstration", "flawed_demonstration"):
+            env.reset(row)
+            demo = row[key]
+            observation, _, done, info = env.step(demo[0]["content"])
+            assert info["messages"] == [demo[1]] and not done
+            observation, reward, done, info = env.step(demo[2]["content"])
+            assert done and reward == (1.0 if key == "demonstration" else 0.0)
+    with pytest.raises(ValueError, match="unknown tool 'shell'"):
+        generate(1, 1, tool="shell")
 
 
 def test_flawed_demonstrations_are_wrong_in_the_way_they_say(rows):

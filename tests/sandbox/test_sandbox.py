@@ -496,6 +496,20 @@ def test_pool_returns_results_in_request_order(pool):
     assert summary["queue_wait_mean_s"] <= summary["queue_wait_p95_s"] and summary["retries"] == 0
 
 
+def test_pool_calls_from_several_threads_share_its_workers(pool):
+    """Two threads' calls (two episodes' tool calls) run at once on the pool's two workers; a
+    third waits for a worker one of them gives back; each call gets its own results."""
+    program = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint(start, time.time(), {i})"
+    with ThreadPoolExecutor(3) as threads:
+        calls = [threads.submit(pool.run_many, [ExecRequest(program.format(i=i), id=str(i))]) for i in range(3)]
+        results = [c.result()[0] for c in calls]
+    assert [r.id for r in results] == ["0", "1", "2"] and all(r.status == "ok" for r in results)
+    spans = sorted(tuple(map(float, r.stdout.split()[:2])) for r in results)
+    assert [int(r.stdout.split()[2]) for r in results] == [0, 1, 2]
+    assert spans[1][0] < spans[0][1], "the first two runs overlap in time"
+    assert spans[2][0] >= min(spans[0][1], spans[1][1]) - 0.05, "the third ran on a worker given back"
+
+
 def test_pool_on_docker_and_on_an_unusable_engine(cluster):
     need("docker")
     from sandbox.pool import SandboxPool
