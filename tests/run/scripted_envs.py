@@ -3,6 +3,9 @@ tests/run/scripted_envs.py:ScriptedCalculatorEnv`) as a user's env is: the real 
 calculator, whose turns follow the row's demonstration whatever the (untrained) policy writes, so
 every episode is a tool call, its result and a graded answer."""
 
+import os
+import time
+
 from envs.tool_env import ToolEnv
 from envs.tools import load_tools
 
@@ -17,3 +20,18 @@ class ScriptedCalculatorEnv(ToolEnv):
     def step(self, text):
         script = [m["content"] for m in self.row["demonstration"] if m["role"] == "assistant"]
         return super().step(script[self.turn])
+
+
+class LoggedSlowCalculatorEnv(ScriptedCalculatorEnv):
+    """ScriptedCalculatorEnv whose resets append the row's expression to the file named by
+    $RLSYS_EPISODE_LOG and whose steps take 0.2 s (a slow tool): a test sees which episodes a run
+    played and can kill it while a step's episodes are in flight."""
+
+    def reset(self, row):
+        with open(os.environ["RLSYS_EPISODE_LOG"], "a") as log:
+            log.write(row["expression"] + "\n")
+        return super().reset(row)
+
+    def step(self, text):
+        time.sleep(0.2)
+        return super().step(text)

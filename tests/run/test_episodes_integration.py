@@ -3,6 +3,12 @@ shrunk, its env a ToolEnv with the real calculator whose turns follow each row's
 (tests/run/scripted_envs.py), so every episode is two policy turns around a tool result."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
 
 import pytest
 from fakes import TINY_ONE_WORKER as TINY
@@ -76,3 +82,69 @@ def test_two_steps_over_multi_turn_episodes(ray_cluster, tmp_path, algorithm):
         assert len(row["ref_logprobs"]) == len(row["response_ids"])
         if algorithm == "ppo":
             assert len(row["values"]) == len(row["response_ids"])
+
+
+def test_a_run_killed_while_a_steps_episodes_are_in_flight_plays_that_step_again_on_resume(tmp_path):
+    """docs/agents.md's rule: checkpoints fall between steps and no env state is saved, so a run
+    SIGKILLed inside step 3's episodes resumes from step 2's checkpoint and plays step 3's episodes
+    again from the start: the resumed run's episodes are those of steps 3-4 of the same run left
+    uninterrupted, on the same training rows, none lost or doubled."""
+    data = small_data(tmp_path)
+    train = {json.loads(line)["expression"] for line in data["train"].read_text().splitlines()}
+    overrides = [
+        *[o for o in TINY if not o.startswith(("task.", "rollout.max_new_tokens", "trainer."))],
+        "algorithm.group_size=2",
+        f"task.train_path={data['train']}",
+        f"task.eval_path={data['eval']}",
+        "sft.batch_size=4",
+        "rollout.max_new_tokens=6",
+        "trainer.prompts_per_step=2",
+        "trainer.steps=4",
+        "trainer.checkpoint_every=2",
+        "trainer.eval_every=0",
+        "env.name=tests/run/scripted_envs.py:LoggedSlowCalculatorEnv",
+        "env.tools=[]",
+        "env.call_penalty={}",
+        f"run.output_dir={tmp_path}",
+    ]
+
+    def rlsys(log: str, *args):
+        env = {**os.environ, "RLSYS_EPISODE_LOG": str(tmp_path / log)}
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlsys.run.cli", *args, "--no-progress"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def played(log: str) -> list[str]:  # the training episodes' rows, in the order they started
+        path = tmp_path / log
+        return [e for e in path.read_text().splitlines() if e in train] if path.exists() else []
+
+    full = rlsys("full.log", "run", "configs/agent.yaml", *overrides, "run.name=full")
+    killed = rlsys("killed.log", "run", "configs/agent.yaml", *overrides, "run.name=killed")
+    deadline = time.time() + 300
+    while len(played("killed.log")) <= 8:  # steps 1-2: 2 prompts x 2 episodes each; then step 3 starts
+        assert killed.poll() is None, killed.communicate()[1][-2000:]
+        assert time.time() < deadline, "step 3 did not start within 5 minutes"
+        time.sleep(0.01)
+    os.killpg(killed.pid, signal.SIGKILL)  # each env step takes 0.2 s: step 3's episodes are in flight
+    killed.wait()
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step_2" and not (checkpoints / "step_3").exists()
+    _, err = full.communicate(timeout=300)
+    assert full.returncode == 0, err[-2000:]
+    interrupted = played("killed.log")[8:]
+
+    resumed = rlsys("resumed.log", "resume", str(tmp_path / "killed"))
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert "resumed killed from step_2" in err
+    everything = played("full.log")
+    assert len(everything) == 16 and Counter(played("killed.log")[:8]) == Counter(everything[:8])
+    assert Counter(played("resumed.log")) == Counter(everything[8:])  # steps 3 and 4, played whole
+    assert not Counter(interrupted) - Counter(everything[8:12])  # what was in flight was step 3's
+    rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["samples"] == 4 for r in rows)
