@@ -30,24 +30,30 @@ def small_data(tmp_path):
     return paths
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_two_steps_over_multi_turn_episodes(ray_cluster, tmp_path, algorithm):
-    from rlsys.run.controller import Controller
-
-    data = small_data(tmp_path)
-    overrides = [
+def small_job(tmp_path, data, env: str) -> list[str]:
+    """configs/agent.yaml's overrides for a tiny job of 2 prompts x 2 episodes a step on `data`."""
+    return [
         *[o for o in TINY if not o.startswith(("task.", "rollout.max_new_tokens"))],
-        f"algorithm.name={algorithm}",
         "algorithm.group_size=2",
         f"task.train_path={data['train']}",
         f"task.eval_path={data['eval']}",
         "sft.batch_size=4",
         "rollout.max_new_tokens=6",
         "trainer.prompts_per_step=2",
-        f"env.name={ENV}",
+        f"env.name={env}",
         "env.tools=[]",
         "env.call_penalty={}",
         f"run.output_dir={tmp_path}",
+    ]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_two_steps_over_multi_turn_episodes(ray_cluster, tmp_path, algorithm):
+    from rlsys.run.controller import Controller
+
+    overrides = [
+        *small_job(tmp_path, small_data(tmp_path), ENV),
+        f"algorithm.name={algorithm}",
         f"run.name={algorithm}",
     ]
     cfg = load_config("configs/agent.yaml", overrides)
@@ -91,21 +97,12 @@ def test_a_run_killed_while_a_steps_episodes_are_in_flight_plays_that_step_again
     uninterrupted, on the same training rows, none lost or doubled."""
     data = small_data(tmp_path)
     train = {json.loads(line)["expression"] for line in data["train"].read_text().splitlines()}
+    env = "tests/run/scripted_envs.py:LoggedSlowCalculatorEnv"
     overrides = [
-        *[o for o in TINY if not o.startswith(("task.", "rollout.max_new_tokens", "trainer."))],
-        "algorithm.group_size=2",
-        f"task.train_path={data['train']}",
-        f"task.eval_path={data['eval']}",
-        "sft.batch_size=4",
-        "rollout.max_new_tokens=6",
-        "trainer.prompts_per_step=2",
+        *small_job(tmp_path, data, env),
         "trainer.steps=4",
         "trainer.checkpoint_every=2",
         "trainer.eval_every=0",
-        "env.name=tests/run/scripted_envs.py:LoggedSlowCalculatorEnv",
-        "env.tools=[]",
-        "env.call_penalty={}",
-        f"run.output_dir={tmp_path}",
     ]
 
     def rlsys(log: str, *args):
