@@ -415,8 +415,7 @@ def e2e(args, out: Path) -> str:
             )
             print(lines[-1], flush=True)
         finally:
-            if c.weights is not None:  # the actors started (a failed start has removed them itself)
-                c.shutdown()
+            c.shutdown()
     return "\n".join(lines)
 
 

@@ -181,7 +181,10 @@ class Controller:
         )
 
     def shutdown(self) -> None:
-        """Kill the run's actors (tests that start a second controller)."""
+        """Kill the run's actors (tests that start a second controller). Nothing to do before
+        they started, or after a failed start (which removed them itself)."""
+        if self.weights is None:
+            return
         self.weights.close()
         self.release_groups()
         self._kill(

@@ -451,8 +451,9 @@ def test_zero3_learner_syncs_its_gathered_weights(ray_cluster, tmp_path):
 @pytest.mark.parametrize("room", [0.5, 1.1])  # 1.1: the learner and the worker (0.5 each) fit, not all services
 def test_actors_the_cluster_cannot_place_fail_in_one_line(ray_cluster, tmp_path, room):
     """A cluster whose CPUs another job holds: the run stops with one line saying so, instead of
-    its actors (a service included) pending forever."""
+    its actors (a service included) pending forever; `shutdown()` after it has nothing left to do."""
     from rlsys.errors import RunFailed
+    from rlsys.run.controller import Controller
 
     hog = ray_cluster.remote(num_cpus=ray_cluster.cluster_resources()["CPU"] - room)(
         type("Hog", (), {"ok": lambda self: 1})
@@ -460,9 +461,16 @@ def test_actors_the_cluster_cannot_place_fail_in_one_line(ray_cluster, tmp_path,
     hog = hog.remote()
     ray_cluster.get(hog.ok.remote())
     try:
+        cfg = load_config(
+            "configs/quickstart.yaml",
+            [*TINY, f"run.output_dir={tmp_path}", "run.name=grpo", "trainer.steps=1", "trainer.start_timeout_s=5"]
+            + ["rollout.num_workers=1"],
+        )
+        controller = Controller(cfg, tmp_path / "grpo", progress=False)
         with pytest.raises(RunFailed, match=r"did not start within 5 s .* logical CPUs free") as e:
-            run_job(tmp_path, "grpo", ["trainer.steps=1", "trainer.start_timeout_s=5", "rollout.num_workers=1"])
+            controller.run()
         assert "\n" not in str(e.value)
+        controller.shutdown()
     finally:
         ray_cluster.kill(hog)
     import time
