@@ -106,9 +106,13 @@ def read_curves(paths: list[Path]) -> dict[tuple[str, int], list[dict]]:
     """(method, seed) -> its evaluations, in order, from reasoning.jsonl files."""
     curves: dict[tuple[str, int], list[dict]] = {}
     for path in paths:
+        read: dict[tuple[str, int], list[dict]] = {}
         for line in path.read_text().splitlines():
             point = json.loads(line)
-            curves.setdefault((point["method"], point["seed"]), []).append(point)
+            read.setdefault((point["method"], point["seed"]), []).append(point)
+        if twice := sorted(set(read) & set(curves)):
+            raise ValueError(f"{path}: {twice[0][0]} seed {twice[0][1]} is in an earlier curves file too")
+        curves |= read
     return curves
 
 
@@ -192,9 +196,10 @@ def main(argv: list[str]) -> None:
     p.add_argument(
         "--with-curves",
         type=Path,
-        nargs="*",
+        action="append",
         default=[],
-        help="reasoning.jsonl files of earlier runs (other seeds) to put in the table and plot beside these",
+        help="a reasoning.jsonl of earlier runs (other seeds) to put in the table and plot beside these "
+        "(repeat for several; a method and seed run again here replaces its earlier curve)",
     )
     args, overrides = p.parse_known_args(argv)
     per_method = {}
@@ -209,7 +214,8 @@ def main(argv: list[str]) -> None:
     else:
         warm_dir, warm_s = warm_policy(args.config, overrides, args.out)
         print(f"warm-up: {warm_s:.0f} s ({args.config} {' '.join(overrides)})", flush=True)
-    curves = read_curves(args.with_curves)
+    rerun = {(method, seed) for method in args.methods for seed in args.seeds}
+    curves = {key: curve for key, curve in read_curves(args.with_curves).items() if key not in rerun}
     with (args.out / "reasoning.jsonl").open("w") as log:
         log.write("".join(json.dumps(point) + "\n" for curve in curves.values() for point in curve))
         for method in args.methods:

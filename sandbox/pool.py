@@ -112,6 +112,8 @@ class SandboxPool:
         return self.run_many([req])[0]
 
     def run_many(self, requests: list[ExecRequest]) -> list[ExecResult]:
+        if not self.workers:
+            raise RuntimeError("the sandbox pool is closed")
         t0 = time.monotonic()
         with self._cond:
             self._busy_since = t0 if self._active == 0 else self._busy_since
@@ -122,26 +124,35 @@ class SandboxPool:
         try:
             while queue or inflight:
                 while queue and (worker := self._take(wait=not inflight)) is not None:
-                    i, attempt = queue.popleft()
+                    i, attempt = queue[0]
+                    try:
+                        deadline = time.monotonic() + requests[i].limits.wall_time_s + self.grace_s
+                        inflight[worker.run.remote(requests[i])] = (i, attempt, worker, deadline)
+                    except BaseException:
+                        self._give(worker)  # not sent: the worker is still idle
+                        raise
+                    queue.popleft()
                     if attempt == 0:
-                        self.metrics.queue_waits.append(time.monotonic() - t0)
-                    deadline = time.monotonic() + requests[i].limits.wall_time_s + self.grace_s
-                    inflight[worker.run.remote(requests[i])] = (i, attempt, worker, deadline)
+                        with self._cond:
+                            self.metrics.queue_waits.append(time.monotonic() - t0)
                 if not inflight:  # every worker is another call's: wait for one again
+                    if not self.workers:
+                        raise RuntimeError("the sandbox pool was closed while a call waited for a worker")
                     continue
                 wait_s = max(0.0, min(d for *_, d in inflight.values()) - time.monotonic())
                 if queue:  # a worker that another call gives back is taken soon
                     wait_s = min(wait_s, POLL_S)
                 ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait_s)
                 for ref in ready:
-                    i, attempt, worker, _ = inflight.pop(ref)
+                    i, attempt, worker, _ = inflight[ref]
                     try:
                         results[i] = ray.get(ref)
                         self._give(worker)
                     except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
                         self._give(self._replace(worker))
                         if attempt == 0:
-                            self.metrics.retries += 1
+                            with self._cond:
+                                self.metrics.retries += 1
                             queue.appendleft((i, 1))
                         else:
                             results[i] = ExecResult(
@@ -152,6 +163,7 @@ class SandboxPool:
                         results[i] = ExecResult(
                             "error", error=f"sandbox worker failed: {one_line(e.cause)}", id=requests[i].id
                         )
+                    del inflight[ref]  # given back (or replaced) above; an error on the way: `finally` below
                 now = time.monotonic()
                 for ref, (i, _, worker, deadline) in list(inflight.items()):
                     if now >= deadline:  # the worker ignored its own wall limit: stuck
@@ -161,14 +173,14 @@ class SandboxPool:
                             "timeout", error="sandbox worker unresponsive past the wall time limit", id=requests[i].id
                         )
         finally:
-            for _, _, worker, _ in inflight.values():  # an error above: the workers go back to the pool
-                self._give(worker)
             with self._cond:
                 self._active -= 1
                 if self._active == 0:
                     self.metrics.busy_s += time.monotonic() - self._busy_since
                 self.metrics.runs += len(requests)
                 self.metrics.statuses.update(r.status for r in results if r is not None)
+            for _, _, worker, _ in inflight.values():  # an error above: runs abandoned mid-way get
+                self._give(self._replace(worker))  # a fresh worker, not one still busy with them
         return results
 
     def close(self) -> None:

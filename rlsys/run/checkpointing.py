@@ -66,8 +66,10 @@ def restore(run) -> tuple[Path, dict]:
             )
             ray.get(run.buffer.load.remote(str(path / "buffer.parquet")))
             anchor = run.policy_dir if state.get("reference_version") is None else path / "reference"
-            if run.reference is not None:  # None: the learner's base is the reference (learner.lora)
+            if run.reference is not None:
                 ray.get(run.reference.load_weights.remote(None, str(anchor)))
+            elif state.get("reference_version") is not None:  # None: the learner's base is the reference
+                raise checkpoint.CheckpointError("it holds a moved reference, but this run has no reference worker")
         except Exception as e:  # any unreadable part: report it and try the previous one
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             nxt = f"falling back to {tried[i + 1].name}" if i + 1 < len(tried) else "no older checkpoint left"

@@ -202,6 +202,11 @@ class ActorContext:
     def anchor_reference(self) -> None:
         """Load the learner's current weights into the reference worker: the KL anchor becomes
         the current policy (BRiTE's P(.|x, theta_t)) until the next call; checkpoints keep it."""
+        if self.reference is None:
+            raise RunFailed(
+                f"algorithm '{self.cfg.algorithm.name}' moves its reference (anchor_reference) but does not "
+                f"declare MovesReference, so under learner.lora no reference worker was started"
+            )
         with self.timed("reference"):
             refs = [l.weights.remote() for l in self.learners]  # ZeRO-3: every rank joins the gather
             ray.get([self.reference.load_weights.remote(refs[0]), *refs[1:]])

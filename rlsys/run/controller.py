@@ -149,6 +149,7 @@ class Controller:
             self.weights = make_weight_sync(cfg, self.policies, self.learner_group.get)
         except Exception:
             self._kill(actors.all())
+            self.release_groups()
             raise
         report = placement_report(
             self.policies, actors.services, type(self.weights).__name__

@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("reasoning_bench", ROOT / "benchmarks" / "reasoning.py")
 bench = importlib.util.module_from_spec(spec)
@@ -41,3 +43,5 @@ def test_earlier_seeds_are_read_back_by_method_and_seed(tmp_path):
     curves = bench.read_curves([path])
     assert list(curves) == list(CURVES)
     assert all([p["greedy"] for p in curves[key]] == [p["greedy"] for p in CURVES[key]] for key in CURVES)
+    with pytest.raises(ValueError, match="grpo seed 0 is in an earlier curves file too"):
+        bench.read_curves([path, path])

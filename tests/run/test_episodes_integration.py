@@ -105,43 +105,54 @@ def test_a_run_killed_while_a_steps_episodes_are_in_flight_plays_that_step_again
         "trainer.eval_every=0",
     ]
 
-    def rlsys(log: str, *args):
-        env = {**os.environ, "RLSYS_EPISODE_LOG": str(tmp_path / log)}
-        return subprocess.Popen(
-            [sys.executable, "-m", "rlsys.run.cli", *args, "--no-progress"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+    started = []
 
-    def played(log: str) -> list[str]:  # the training episodes' rows, in the order they started
-        path = tmp_path / log
+    def rlsys(name: str, *args):  # output to files (a pipe nobody reads could fill and stall the run)
+        env = {**os.environ, "RLSYS_EPISODE_LOG": str(tmp_path / f"{name}.log")}
+        with open(tmp_path / f"{name}.out", "w") as out:
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "rlsys.run.cli", *args, "--no-progress"],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        return started[-1]
+
+    def output(name: str) -> str:
+        return (tmp_path / f"{name}.out").read_text()[-2000:]
+
+    def played(name: str) -> list[str]:  # the training episodes' rows, in the order they started
+        path = tmp_path / f"{name}.log"
         return [e for e in path.read_text().splitlines() if e in train] if path.exists() else []
 
-    full = rlsys("full.log", "run", "configs/agent.yaml", *overrides, "run.name=full")
-    killed = rlsys("killed.log", "run", "configs/agent.yaml", *overrides, "run.name=killed")
-    deadline = time.time() + 300
-    while len(played("killed.log")) <= 8:  # steps 1-2: 2 prompts x 2 episodes each; then step 3 starts
-        assert killed.poll() is None, killed.communicate()[1][-2000:]
-        assert time.time() < deadline, "step 3 did not start within 5 minutes"
-        time.sleep(0.01)
-    os.killpg(killed.pid, signal.SIGKILL)  # each env step takes 0.2 s: step 3's episodes are in flight
-    killed.wait()
-    checkpoints = tmp_path / "killed" / "checkpoints"
-    assert (checkpoints / "latest").read_text() == "step_2" and not (checkpoints / "step_3").exists()
-    _, err = full.communicate(timeout=300)
-    assert full.returncode == 0, err[-2000:]
-    interrupted = played("killed.log")[8:]
+    try:
+        full = rlsys("full", "run", "configs/agent.yaml", *overrides, "run.name=full")
+        killed = rlsys("killed", "run", "configs/agent.yaml", *overrides, "run.name=killed")
+        deadline = time.time() + 300
+        while len(played("killed")) <= 8:  # steps 1-2: 2 prompts x 2 episodes each; then step 3 starts
+            assert killed.poll() is None, output("killed")
+            assert time.time() < deadline, "step 3 did not start within 5 minutes"
+            time.sleep(0.01)
+        os.killpg(killed.pid, signal.SIGKILL)  # each env step takes 0.2 s: step 3's episodes are in flight
+        killed.wait()
+        assert (tmp_path / "killed" / "checkpoints" / "latest").read_text() == "step_2"
+        assert len((tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()) == 2  # step 3 unfinished
+        assert full.wait(timeout=300) == 0, output("full")
+        interrupted = played("killed")[8:]
 
-    resumed = rlsys("resumed.log", "resume", str(tmp_path / "killed"))
-    _, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-2000:]
-    assert "resumed killed from step_2" in err
-    everything = played("full.log")
-    assert len(everything) == 16 and Counter(played("killed.log")[:8]) == Counter(everything[:8])
-    assert Counter(played("resumed.log")) == Counter(everything[8:])  # steps 3 and 4, played whole
+        resumed = rlsys("resumed", "resume", str(tmp_path / "killed"))
+        assert resumed.wait(timeout=300) == 0, output("resumed")
+        assert "resumed killed from step_2" in (tmp_path / "resumed.out").read_text()
+    finally:
+        for p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    everything = played("full")
+    assert len(everything) == 16 and Counter(played("killed")[:8]) == Counter(everything[:8])
+    assert Counter(played("resumed")) == Counter(everything[8:])  # steps 3 and 4, played whole
     assert not Counter(interrupted) - Counter(everything[8:12])  # what was in flight was step 3's
     rows = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["samples"] == 4 for r in rows)

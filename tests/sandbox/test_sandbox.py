@@ -499,7 +499,7 @@ def test_pool_returns_results_in_request_order(pool):
 def test_pool_calls_from_several_threads_share_its_workers(pool):
     """Two threads' calls (two episodes' tool calls) run at once on the pool's two workers; a
     third waits for a worker one of them gives back; each call gets its own results."""
-    program = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint(start, time.time(), {i})"
+    program = "import time\nstart = time.time()\ntime.sleep(1.5)\nprint(start, time.time(), {i})"
     with ThreadPoolExecutor(3) as threads:
         calls = [threads.submit(pool.run_many, [ExecRequest(program.format(i=i), id=str(i))]) for i in range(3)]
         results = [c.result()[0] for c in calls]
@@ -508,6 +508,15 @@ def test_pool_calls_from_several_threads_share_its_workers(pool):
     assert [int(r.stdout.split()[2]) for r in results] == [0, 1, 2]
     assert spans[1][0] < spans[0][1], "the first two runs overlap in time"
     assert spans[2][0] >= min(spans[0][1], spans[1][1]) - 0.05, "the third ran on a worker given back"
+
+
+def test_a_closed_pool_says_so(cluster):
+    from sandbox.pool import SandboxPool
+
+    pool = SandboxPool("bwrap", workers=1)
+    pool.close()
+    with pytest.raises(RuntimeError, match="the sandbox pool is closed"):
+        pool.run(ExecRequest("print(1)"))
 
 
 def test_pool_on_docker_and_on_an_unusable_engine(cluster):
