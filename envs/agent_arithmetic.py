@@ -183,15 +183,6 @@ def answer_text(value: int | str) -> str:
     return f"The answer is \\boxed{{{value}}}."
 
 
-def calculator_message(expression: str) -> dict:
-    """The tool message a ToolEnv gives for a calculator call of `expression` (the real
-    calculator's answer); ValueError when the calculator refuses it."""
-    result = call_tool(ToolCall("calculator", {"expression": expression}), CALCULATOR)
-    if result.status != "ok":
-        raise ValueError(f"the calculator refused {expression!r}: {result.observation}")
-    return result.message()
-
-
 def printed_runs(requests) -> list[ExecResult]:
     """What a sandbox gives for the demonstrations' programs, `print(<expression>)`: the
     expression's value printed (computed by the calculator, which gives Python's digits for the
@@ -209,18 +200,19 @@ def printed_runs(requests) -> list[ExecResult]:
 PYTHON = [python_tool(printed_runs)]
 
 
-def python_message(expression: str) -> dict:
-    """The tool message a ToolEnv gives for a python call printing `expression` (the real python
-    tool's output of a run that printed its value); ValueError when the value cannot be computed."""
-    result = call_tool(tool_call(expression, "python"), PYTHON)
+def tool_message(expression: str, tool: str = "calculator") -> dict:
+    """The tool message a ToolEnv gives for a call of `tool` computing `expression` (the real
+    calculator's answer, or the python tool's output of a run that printed the value); ValueError
+    when the tool refuses it."""
+    result = call_tool(tool_call(expression, tool), CALCULATOR if tool == "calculator" else PYTHON)
     if result.status != "ok":
-        raise ValueError(f"python's print({expression}) gave {result.status}: {result.observation}")
+        raise ValueError(f"the {tool} tool refused {expression!r}: {result.observation}")
     return result.message()
 
 
 def tool_demonstration(expression: str, tool: str = "calculator") -> list[dict]:
     """The messages after the prompt: a call of `tool` computing `expression`, its result, that result boxed."""
-    result = calculator_message(expression) if tool == "calculator" else python_message(expression)
+    result = tool_message(expression, tool)
     return [
         {"role": "assistant", "content": call_text(expression, tool)},
         result,

@@ -100,13 +100,14 @@ class SandboxPool:
             self._idle.append(worker)
             self._cond.notify()
 
-    def _replace(self, worker):
+    def _replace(self, worker) -> None:
+        """Kill `worker` and put a fresh one in its place, idle."""
         ray.kill(worker, no_restart=True)
         new = self._spawn()
         with self._cond:
             self.metrics.replaced_workers += 1
             self.workers[self.workers.index(worker)] = new
-        return new
+        self._give(new)
 
     def run(self, req: ExecRequest) -> ExecResult:
         return self.run_many([req])[0]
@@ -149,7 +150,7 @@ class SandboxPool:
                         results[i] = ray.get(ref)
                         self._give(worker)
                     except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-                        self._give(self._replace(worker))
+                        self._replace(worker)
                         if attempt == 0:
                             with self._cond:
                                 self.metrics.retries += 1
@@ -168,7 +169,7 @@ class SandboxPool:
                 for ref, (i, _, worker, deadline) in list(inflight.items()):
                     if now >= deadline:  # the worker ignored its own wall limit: stuck
                         del inflight[ref]
-                        self._give(self._replace(worker))
+                        self._replace(worker)
                         results[i] = ExecResult(
                             "timeout", error="sandbox worker unresponsive past the wall time limit", id=requests[i].id
                         )
@@ -180,7 +181,7 @@ class SandboxPool:
                 self.metrics.runs += len(requests)
                 self.metrics.statuses.update(r.status for r in results if r is not None)
             for _, _, worker, _ in inflight.values():  # an error above: runs abandoned mid-way get
-                self._give(self._replace(worker))  # a fresh worker, not one still busy with them
+                self._replace(worker)  # a fresh worker, not one still busy with them
         return results
 
     def close(self) -> None:
