@@ -14,7 +14,7 @@ REINFORCE is on-policy and has no importance weight. With learner.epochs 1 and l
 (the defaults) the one gradient step is taken at the weights that sampled the rows and the estimator
 is exact on one rank; across ranks DeepSpeed averages the ranks' gradients, the batch-wide mean when
 their shards hold as many responses. More epochs or minibatches take the later steps at updated
-weights with nothing correcting for it (a biased gradient): that regime, and trainer.overlap_rollout
+weights with nothing correcting for it (a biased gradient): that regime, and trainer.mode=overlap
 (refused here: not TrainsOnStaleRows), is `rloo_clipped`'s. No row is left out of the forward
 (not SkipsRowsWithoutGradient): the learner rescales a subset's loss by tokens, right only for a token mean.
 """

@@ -6,7 +6,7 @@ shared by every token of response i, in the PPO clipped surrogate on the ratio t
 plus kl_coef * k3(pi, ref) as a loss, both a token mean over the minibatch: GRPO's loss
 (algorithms/grpo.py) with the advantage of Ahmadian et al. 2024 and no KL in the reward. The clipped
 ratio corrects rows one policy version old, so several epochs or minibatches per step and
-`trainer.overlap_rollout` are sound here, where the paper's REINFORCE is on-policy.
+`trainer.mode: overlap` are sound here, where the paper's REINFORCE is on-policy.
 """
 
 from __future__ import annotations

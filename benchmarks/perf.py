@@ -620,7 +620,7 @@ class Bench:
                     "run.name=e2e-overlap",
                     f"model.path={policy_dir}",
                     "sft.steps=0",
-                    "trainer.overlap_rollout=true",
+                    "trainer.mode=overlap",
                     "buffer.max_staleness=1",
                 ],
             ),
@@ -731,7 +731,7 @@ class Bench:
             ">= 1.5x",
         )
         self.add(
-            f"end-to-end, trainer.overlap_rollout (next step's rollout during training; mean train reward "
+            f"end-to-end, trainer.mode=overlap (next step's rollout during training; mean train reward "
             f"{statistics.mean(over_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f}; held-out greedy accuracy "
             f"{accuracy['overlap']:.3f} vs {accuracy['trl']:.3f})",
             f"{over_sps:.1f}",

@@ -3,10 +3,14 @@
 Used in-process or as a Ray actor (`ray.remote(ExperienceBuffer)`). Rows older than
 `max_staleness` policy versions behind the current one are dropped when taken or
 sampled (0 means strictly on-policy: only rows of the current version).
+
+Under `trainer.mode: async` rows come and go as whole batches (`put_batch` / `take_batch`, oldest
+first): a batch is one rollout call's rows, whose groups are only whole together.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,6 +30,8 @@ class ExperienceBuffer:
         self.version = 0
         self.rng = np.random.default_rng(seed)
         self.dropped_stale = 0
+        self.batch_rows: list[int] = []  # rows of each batch held, oldest first (put_batch)
+        self.dropped_batches = 0
         send_tables_as_ipc()  # as a Ray actor, `take` and `sample` send tables back
 
     def set_policy_version(self, version: int) -> None:
@@ -37,6 +43,31 @@ class ExperienceBuffer:
         if self.table.num_rows > self.capacity:  # oldest rows go first
             self.table = self.table.slice(self.table.num_rows - self.capacity)
         return self.table.num_rows
+
+    def put_batch(self, table: pa.Table) -> int:
+        """Hold one batch (async mode); the number of batches held."""
+        validate_experience(table)
+        self.table = concat_experience([self.table, table])
+        self.batch_rows.append(table.num_rows)
+        return len(self.batch_rows)
+
+    def take_batch(self) -> tuple[pa.Table, int]:
+        """Remove and return the oldest batch (an empty table when none is left), after dropping
+        the batches that hold a row more than `max_staleness` versions behind; with how many it dropped."""
+        dropped = 0
+        while self.batch_rows:
+            n = self.batch_rows.pop(0)
+            out, self.table = self.table.slice(0, n), self.table.slice(n)
+            oldest = pc.min(out.column("policy_version")).as_py()
+            if self.max_staleness is None or oldest is None or oldest >= self.version - self.max_staleness:
+                return out, dropped
+            dropped += 1
+            self.dropped_batches += 1
+            self.dropped_stale += n
+        return EXPERIENCE_SCHEMA.empty_table(), dropped
+
+    def batches(self) -> int:
+        return len(self.batch_rows)
 
     def _drop_stale(self) -> None:
         if self.max_staleness is None or self.table.num_rows == 0:
@@ -69,18 +100,28 @@ class ExperienceBuffer:
         return self.table.num_rows
 
     def stats(self) -> dict:
-        return {"size": self.table.num_rows, "dropped_stale": self.dropped_stale, "version": self.version}
+        return {
+            "size": self.table.num_rows,
+            "batches": len(self.batch_rows),
+            "dropped_stale": self.dropped_stale,
+            "dropped_batches": self.dropped_batches,
+            "version": self.version,
+        }
 
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        pq.write_table(self.table, tmp)
+        metadata = {**(self.table.schema.metadata or {}), b"batch_rows": json.dumps(self.batch_rows).encode()}
+        pq.write_table(self.table.replace_schema_metadata(metadata), tmp)
         os.replace(tmp, path)
 
     def load(self, path: str | os.PathLike) -> int:
         table = pq.read_table(path)
         validate_experience(table)
-        self.table = table
+        batch_rows = json.loads((table.schema.metadata or {}).get(b"batch_rows", b"[]"))
+        if sum(batch_rows) not in (0, table.num_rows):
+            raise ValueError(f"{path}: its batches hold {sum(batch_rows)} rows, the table {table.num_rows}")
+        self.table, self.batch_rows = table.replace_schema_metadata(None), batch_rows
         return table.num_rows
 
     def rng_state(self) -> dict:

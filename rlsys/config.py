@@ -480,11 +480,27 @@ class TrainerConfig(Section):
         "node and /dev/shm has room, else object_store; broadcast: a torch.distributed group from learner rank 0 "
         "(NCCL with vllm, else gloo)",
     )
-    overlap_rollout: bool = Field(
+    mode: Literal["sync", "overlap", "async"] = Field(
+        "sync",
+        description="how generation and training interleave: sync: a step's rows are generated, then trained on; "
+        "overlap: the next step's rows are generated while the learner trains (one policy version behind); async: "
+        "a producer thread generates batch after batch into the buffer while the learner trains on each as soon as "
+        "it is ready, at most buffer.max_staleness versions behind (trainer.staleness_policy). overlap and async "
+        "need buffer.max_staleness >= 1 and an algorithm that declares TrainsOnStaleRows (docs/configuration.md's "
+        "rules list them)",
+    )
+    staleness_policy: Literal["wait", "drop"] = Field(
+        "wait",
+        description="async: how buffer.max_staleness (k) is kept. wait: the producer starts batch i only once the "
+        "learner holds version i - k, so no row is ever more than k versions old; drop: the producer runs ahead (at "
+        "most k + 1 batches queued) and a batch with a row more than k versions behind the learner when taken is "
+        "dropped whole and counted (staleness/dropped_batches)",
+    )
+    deterministic: bool = Field(
         False,
-        description="generate the next step's experience while the learner trains "
-        "(one policy version behind; needs buffer.max_staleness >= 1; the algorithms that declare TrainsOnStaleRows: "
-        "docs/configuration.md's rules list them)",
+        description="async: fix the interleaving of generation and training so a run repeats bit for bit (batch i "
+        "is generated wholly by policy version max(0, i - k); the weights of version v reach the workers once batch "
+        "v + k - 1 is generated), at the cost of the learner waiting for those batches (for tests and reruns)",
     )
 
 
@@ -945,8 +961,9 @@ class JobConfig(Section):
 
 # ---- rules across sections ---------------------------------------------------------------------
 CROSS_SECTION_RULES = (
-    "`trainer.overlap_rollout: true` needs an algorithm whose loss corrects rows one policy version old "
-    "({stale}) and `buffer.max_staleness >= 1`.",
+    "`trainer.mode: overlap | async` needs an algorithm whose loss corrects rows one policy version old "
+    "({stale}) and `buffer.max_staleness >= 1`; `async` needs `trainer.weight_sync: auto | object_store` (the "
+    "workers load new weights between generations while the learner runs on).",
     "An algorithm that trains several policies (cdg with `algorithm.models` other than `shared`) needs "
     "`rollout.backend: hf` and a `trainer.weight_sync` other than `broadcast`.",
     "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward, not a reward model's or a "
@@ -968,18 +985,24 @@ def check_job(cfg: JobConfig, algorithm) -> None:
     from rlsys.contract import PlaysEpisodes, TrainsOnStaleRows, policy_names
 
     name = cfg.algorithm.name
-    if cfg.trainer.overlap_rollout:
+    mode = cfg.trainer.mode
+    if mode != "sync":
         if not isinstance(algorithm, TrainsOnStaleRows):
             raise ConfigError(
-                f"config error: 'trainer.overlap_rollout': algorithm '{name}' needs its "
-                "rollout on the current policy (overlap takes an algorithm that declares TrainsOnStaleRows: the "
-                "rules in docs/configuration.md list them)"
+                f"config error: 'trainer.mode'={mode}: algorithm '{name}' needs its "
+                "rollout on the current policy (overlap and async take an algorithm that declares TrainsOnStaleRows: "
+                "the rules in docs/configuration.md list them)"
             )
         if cfg.buffer.max_staleness < 1:
             raise ConfigError(
-                "config error: 'trainer.overlap_rollout' trains on rows one policy version old: "
+                f"config error: 'trainer.mode'={mode} trains on rows at least one policy version old: "
                 "set buffer.max_staleness >= 1"
             )
+    if mode == "async" and cfg.trainer.weight_sync not in ("auto", "object_store"):
+        raise ConfigError(
+            f"config error: 'trainer.weight_sync'={cfg.trainer.weight_sync}: trainer.mode=async loads new weights "
+            "into workers between their generations while the learner trains on (allowed: auto, object_store)"
+        )
     policies = policy_names(algorithm)
     if len(policies) > 1 and (cfg.rollout.backend != "hf" or cfg.trainer.weight_sync == "broadcast"):
         raise ConfigError(

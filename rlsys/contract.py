@@ -171,9 +171,9 @@ class UsesProximalLogprobs(Protocol):
 
 
 class TrainsOnStaleRows:
-    """A marker: rows one policy version old are corrected by the loss (the clipped ratio to
-    their rollout logprobs), so the rollout may run ahead of the learner
-    (`trainer.overlap_rollout`)."""
+    """A marker: rows a policy version or more old are corrected by the loss (the clipped ratio
+    to their rollout logprobs), so the rollout may run ahead of the learner (`trainer.mode:
+    overlap | async`)."""
 
 
 class PlaysEpisodes:

@@ -178,9 +178,10 @@ def open_weight_broadcast(cfg: JobConfig, learners: list, workers: list) -> None
 def readmit_blocked(cfg: JobConfig) -> str | None:
     """Why a rollout worker that Ray restarted cannot rejoin the broadcast group mid-run (None: it can).
     Rejoining re-forms the group and broadcasts the learner's weights at the version the workers serve."""
-    if cfg.trainer.overlap_rollout:
+    if cfg.trainer.mode != "sync":
         return (
-            "trainer.overlap_rollout (the learner trains while the workers generate: its weights are a version ahead)"
+            f"trainer.mode={cfg.trainer.mode} (the learner trains while the workers generate: its weights are a "
+            "version ahead)"
         )
     if cfg.rollout.backend == "vllm":
         return "rollout.backend=vllm (re-forming an NCCL group around a dead member needs an abort of its communicator)"
@@ -203,9 +204,11 @@ def open_shared_weights(cfg: JobConfig, policies: dict) -> None:
     """`trainer.weight_sync: auto | shared_memory`: a policy whose rollout workers all run on
     its learner rank 0's node gets a shared-memory weights file (`PolicyActors.shared`, see
     actors/shared_weights.py); under `auto` the others keep the object store, under
-    `shared_memory` a policy that cannot have one ends the run in one line."""
+    `shared_memory` a policy that cannot have one ends the run in one line. Under
+    `trainer.mode: async` the object store (a worker may still generate from a slot the learner
+    would overwrite two versions on)."""
     mode = cfg.trainer.weight_sync
-    if mode not in ("auto", "shared_memory"):
+    if mode not in ("auto", "shared_memory") or cfg.trainer.mode == "async":
         return
     for name, p in policies.items():
         learner_node, *worker_nodes = ray.get(

@@ -19,6 +19,14 @@ def save(run, metrics: dict | None = None) -> Path:
     states, algorithm state, step/version, config and an HF export; atomically. `metrics`: the
     step's row, logged after the checkpoint; kept in it so a run killed in between gets the row
     back on resume. `run`: the Controller."""
+    run.rollouts.pause()  # async: no batch in flight, so rows, cursor and RNG are saved together
+    try:
+        return _save(run, metrics)
+    finally:
+        run.rollouts.unpause()
+
+
+def _save(run, metrics: dict | None) -> Path:
     ctx = run.ctx
     ctx.settle_sync()  # a checkpoint is written only after its weights reached the workers
     root = run.run_dir / "checkpoints"
@@ -81,7 +89,7 @@ def restore(run) -> tuple[Path, dict]:
         run.ctx.rng.bit_generator.state = state["controller_rng"]
         ray.get(run.buffer.set_rng_state.remote(state["buffer_rng"]))
         ray.get(run.reward.load_state.remote(state.get("reward", {})))
-        run.rollouts.prefetched = ray.get(run.buffer.stats.remote())["size"] > 0  # overlap: rows saved with it
+        run.rollouts.restored(run.step, ray.get(run.buffer.stats.remote()))  # overlap, async: rows saved with it
         if isinstance(run.algorithm, Stateful):
             run.algorithm.load_state(state["algorithm"])
         run.sync_weights(state["policy_version"])

@@ -74,6 +74,9 @@ class ActorContext:
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
         self.prompt_stream = None  # the run's PromptStream (its cursor is checkpointed), set by the controller
         self._timings_lock = threading.Lock()
+        # trainer.mode async: a producer thread generates while the learner's thread syncs weights,
+        # so a generate does not wait for the sync in flight (rows carry the version that sampled them)
+        self.asynchronous = cfg.trainer.mode == "async"
         self.episodes = None  # an EpisodeSettings (algorithms/episodes.py) when env.name is set, by the controller
 
     @property
@@ -90,6 +93,10 @@ class ActorContext:
         yield
         with self._timings_lock:  # episodes' env steps time their sandbox runs from their threads
             self.timings[phase] += time.perf_counter() - start
+
+    def reset_timings(self) -> None:
+        with self._timings_lock:
+            self.timings.clear()
 
     def sampling(self, **overrides) -> SamplingParams:
         r = self.cfg.rollout
@@ -127,7 +134,10 @@ class ActorContext:
         """`generate` for several policies at once (CDG's per-role models): every worker's share
         is sent before any is awaited, so the models' workers generate side by side. A weight
         sync still in flight is awaited after the calls are sent (a worker runs its calls in
-        order: it loads the weights, then generates) and before any result is used."""
+        order: it loads the weights, then generates) and before any result is used (under async
+        it is not: the rows say their version). A worker that answers by an older version than the
+        run's when the calls were sent was restarted (`_share`)."""
+        sent_at = self.policy_version  # the workers were sent this version's weights before these calls
         with self.timed("generate"):
             calls = []
             for policy, requests in requests_by_policy.items():
@@ -139,23 +149,25 @@ class ActorContext:
                             dataclasses.replace(requests[i], params=_worker_seeded(requests[i].params, w)) for i in idx
                         ]
                         calls.append((policy, worker, idx, part, worker.generate.remote(part)))
-        self.settle_sync()  # a failed sync raises here, before rows by the old weights are used
+        if not self.asynchronous:
+            self.settle_sync()  # a failed sync raises here, before rows by the old weights are used
         with self.timed("generate"):
             out = {policy: [] for policy in requests_by_policy}
             for policy, worker, idx, part, fut in calls:
-                for g in self._share(policy, worker, part, fut):
+                for g in self._share(policy, worker, part, fut, sent_at):
                     g.request_index = int(idx[g.request_index])
                     out[policy].append(g)
-            self.tokens_generated += sum(len(g.response_ids) for gens in out.values() for g in gens)
+            with self._timings_lock:
+                self.tokens_generated += sum(len(g.response_ids) for gens in out.values() for g in gens)
             return out
 
-    def _share(self, policy: str, worker, part: list, fut) -> list:
+    def _share(self, policy: str, worker, part: list, fut, sent_at: int) -> list:
         """A worker's generations of its share. A worker that Ray restarted meanwhile (a crash, or
         its node lost: it comes back on another node) answers by the initial weights or not at
         all: it is waited for, given the current weights and asked again."""
         try:
             gens = ray.get(fut)
-            if all(g.policy_version == self.policy_version for g in gens):
+            if all(g.policy_version >= sent_at for g in gens):
                 return gens
         except WORKER_LOST:
             back_within(worker, self.cfg.trainer.start_timeout_s)
@@ -194,9 +206,11 @@ class ActorContext:
         start = time.perf_counter()
         rewards, ref_logprobs = self.reward.score.remote(table), self._ask_reference(table)
         rewards = ray.get(rewards)
-        self.timings["reward"] += time.perf_counter() - start
+        reward_s = time.perf_counter() - start
         ref_logprobs = ray.get(ref_logprobs)[0]
-        self.timings["reference"] += time.perf_counter() - start
+        with self._timings_lock:
+            self.timings["reward"] += reward_s
+            self.timings["reference"] += time.perf_counter() - start
         return rewards, ref_logprobs
 
     def anchor_reference(self) -> None:

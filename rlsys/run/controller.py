@@ -36,7 +36,7 @@ from rlsys.prompts import context_length, prompt_ids
 from rlsys.run import checkpointing, loop
 from rlsys.run.actors import Learners, start_actors
 from rlsys.run.context import ActorContext
-from rlsys.run.rollouts import PromptStream, RolloutSource
+from rlsys.run.rollouts import AsyncRollouts, PromptStream, RolloutSource
 from rlsys.run.stop import StopSignals
 from rlsys.run.weight_sync import make_weight_sync
 from rlsys.tracking import Tracker, read_jsonl
@@ -177,15 +177,19 @@ class Controller:
             self.buffer,
             self.stream,
             cfg.trainer.prompts_per_step,
-            cfg.trainer.overlap_rollout,
+            cfg.trainer.mode == "overlap",
             cfg.trainer.steps,
         )
+        if cfg.trainer.mode == "async":
+            t = cfg.trainer
+            self.rollouts = AsyncRollouts(self.rollouts, cfg.buffer.max_staleness, t.staleness_policy, t.deterministic)
 
     def shutdown(self) -> None:
         """Kill the run's actors (tests that start a second controller). Nothing to do before
         they started, or after a failed start (which removed them itself)."""
         if self.weights is None:
             return
+        self.rollouts.close()
         self.weights.close()
         self.release_groups()
         self._kill(
@@ -254,6 +258,7 @@ class Controller:
     def sync_weights(self, version: int, training: dict[str, list] | None = None) -> None:
         """The learners' weights at `version` toward every rollout worker, by the run's strategy;
         `training`: per policy, this step's train calls (a shared-memory load waits on them)."""
+        self.rollouts.before_sync(version)  # async, deterministic: the batches the old weights make first
         with self.ctx.timed("sync"):
             self.weights.send(version, training)
         self.ctx.policy_version = version
@@ -362,6 +367,7 @@ class Controller:
         finally:
             tracker.close(failed=True)  # a no-op after _finish closed it
             if self.weights is not None:
+                self.rollouts.close()
                 self.weights.close()
         return {
             "run": cfg.run.name,

@@ -2,7 +2,7 @@
 once per step.
 
 `run` is the Controller (rlsys/run/controller.py): it owns the actors and the objects each phase
-calls: `rollouts` (prompt stream, buffer, overlap prefetch), `learner_group` (the ranks of every
+calls: `rollouts` (prompt stream, buffer, overlap prefetch or the async producer), `learner_group` (the ranks of every
 trained policy), `weights` (the weight-sync strategy), `attached` (evaluators), `ctx` (the
 RolloutContext, its timings and the policy version).
 """
@@ -61,9 +61,9 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     """One policy update: sample -> prepare -> train -> sync. Returns the step's metrics, its rows
     and each of their tokens' staleness (policy versions behind the learner)."""
     ctx, version = run.ctx, run.ctx.policy_version + 1
-    ctx.timings.clear()
+    ctx.reset_timings()
     start, tokens_before = time.perf_counter(), ctx.tokens_generated
-    # sample: this step's rows (under overlap, sampled while the previous step trained)
+    # sample: this step's rows (under overlap and async, sampled while earlier steps trained)
     run.learner_group.step = run.step + 1  # the step a learner rank's death is reported in
     table = run.rollouts.take()
     lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
@@ -83,7 +83,7 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
                 run.learner_group.restart(run.policy_dir)
         training = run.learner_group.train(batches, version, run.weights, run.step + 1)
         # sync: sent with the step where the strategy allows (the workers' loads wait on the
-        # learner, not on us); under overlap, after the next step's rows are sampled by these weights
+        # learner, not on us); under overlap and async, once trained (rows are sampled meanwhile)
         sent_early = not run.rollouts.prefetch(run.step) and run.weights.sends_with_step
         if sent_early:
             run.sync_weights(version, training)
@@ -95,7 +95,7 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     metrics |= step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
     if "episode/correct" in metrics:  # an episode is right by its final answer, whatever its turns' rewards
         metrics["accuracy/train"] = metrics["episode/correct"]
-    metrics |= staleness_metrics(staleness)
+    metrics |= staleness_metrics(staleness) | run.rollouts.metrics()
     return metrics, table, staleness
 
 

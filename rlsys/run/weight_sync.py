@@ -55,6 +55,11 @@ class InFlight:
         self.acks.append(ack)
         self.resends.append(resend)
 
+    def finished(self) -> bool:
+        """Every worker answered and every rank's call returned (ok or not): `wait` will not block."""
+        calls = [*self.acks, *self.gathered]
+        return len(ray.wait(calls, num_returns=len(calls), timeout=0)[0]) == len(calls)
+
     def wait(self, timeout: float, from_learners: FromLearners) -> None:
         """Every acknowledgement; weights that arrived corrupt (WeightsCorrupt) are sent once more,
         and a second failure ends the run with the worker's one line."""
@@ -150,29 +155,37 @@ def asked_weights_ref(p: PolicyActors, version: int, from_learners: FromLearners
 
 
 class ObjectStoreSync:
-    """`trainer.weight_sync: object_store` (and `auto` where no policy can share memory)."""
+    """`trainer.weight_sync: object_store` (and `auto` where no policy can share memory). Under
+    `trainer.mode: async` a send does not wait for the one before (a worker loads it when its
+    generation in progress ends): the syncs already answered are settled, the others stay in flight."""
 
     def __init__(
-        self, policies: dict[str, PolicyActors], timeout: float, from_learners: FromLearners, bucket_mb: float
+        self,
+        policies: dict[str, PolicyActors],
+        timeout: float,
+        from_learners: FromLearners,
+        bucket_mb: float,
+        asynchronous: bool = False,
     ):
         self.policies, self.timeout, self.from_learners = policies, timeout, from_learners
-        self.version, self.in_flight = 0, None
+        self.version, self.in_flight, self.asynchronous = 0, [], asynchronous
         self.sends_with_step = not bucket_policies(policies, bucket_mb, from_learners)
 
     def train_slot(self, policy: str, version: int) -> None:
         return None
 
     def send(self, version: int, training: dict[str, list] | None = None) -> None:
-        self.settle()
-        self.in_flight = InFlight(version, every_rank(self.policies))
+        self.settle(finished_only=self.asynchronous)
+        sent = InFlight(version, every_rank(self.policies))
         for p in self.policies.values():
-            send_through_object_store(p, version, self.in_flight, self.timeout, self.from_learners)
+            send_through_object_store(p, version, sent, self.timeout, self.from_learners)
+        self.in_flight.append(sent)
         self.version = version
 
-    def settle(self) -> None:
-        pending, self.in_flight = self.in_flight, None
-        if pending is not None:
-            pending.wait(self.timeout, self.from_learners)
+    def settle(self, finished_only: bool = False) -> None:
+        """Wait for the syncs in flight, oldest first (`finished_only`: just those already answered)."""
+        while self.in_flight and not (finished_only and not self.in_flight[0].finished()):
+            self.in_flight.pop(0).wait(self.timeout, self.from_learners)
 
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]
@@ -290,7 +303,7 @@ class BroadcastSync:
     def readmit(self, policy: str, worker) -> None:
         """The restarted worker is back outside the group with the initial weights: the group is
         formed again and the current weights broadcast. Exact because the learner is idle while
-        the workers generate (no overlap_rollout), so its weights are the version they serve."""
+        the workers generate (trainer.mode sync), so its weights are the version they serve."""
         index = self.policy.workers.index(worker)
         blocked = readmit_blocked(self.cfg)
         if blocked:
@@ -318,4 +331,4 @@ def make_weight_sync(cfg: JobConfig, policies: dict[str, PolicyActors], from_lea
     bucket_mb = cfg.trainer.sync_bucket_mb
     if any(p.shared is not None for p in policies.values()):
         return SharedMemorySync(policies, timeout, from_learners, bucket_mb)
-    return ObjectStoreSync(policies, timeout, from_learners, bucket_mb)
+    return ObjectStoreSync(policies, timeout, from_learners, bucket_mb, cfg.trainer.mode == "async")

@@ -205,8 +205,8 @@ def test_rejoining_the_broadcast_group_is_refused_where_it_cannot_be_exact():
 
     base = ["trainer.weight_sync=broadcast"]
     assert readmit_blocked(load_config("configs/quickstart.yaml", base)) is None
-    assert readmit_blocked(load_config("configs/quickstart.yaml", [*base, "trainer.overlap_rollout=true"])).startswith(
-        "trainer.overlap_rollout"
+    assert readmit_blocked(load_config("configs/quickstart.yaml", [*base, "trainer.mode=overlap"])).startswith(
+        "trainer.mode=overlap"
     )
     assert readmit_blocked(load_config("configs/quickstart.yaml", [*base, "rollout.backend=vllm"])).startswith(
         "rollout.backend=vllm"

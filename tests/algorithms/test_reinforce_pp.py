@@ -340,7 +340,7 @@ def test_config_defaults_and_what_the_quickstart_builds():
     algo = build_algorithm(load_config(QUICKSTART, ["algorithm.name=reinforce_pp", "algorithm.baseline=true"]))
     assert (algo.config.kl_in, algo.config.kl_estimator) == ("loss", "k2")
     # rows one version old are corrected by the clipped ratio: overlap is allowed
-    overlap = ["algorithm.name=reinforce_pp", "trainer.overlap_rollout=true", "buffer.max_staleness=1"]
+    overlap = ["algorithm.name=reinforce_pp", "trainer.mode=overlap", "buffer.max_staleness=1"]
     assert isinstance(build_algorithm(load_config(QUICKSTART, overlap)), ReinforcePP)
 
 

@@ -162,3 +162,26 @@ def test_a_per_token_column_longer_than_its_response_is_named():
     ]
     with pytest.raises(ValueError, match="experience row 1: 'logprobs' has 3 values for 1 response tokens"):
         collate(make_experience(rows))
+
+
+def test_buffer_batches_come_out_whole_oldest_first_and_a_stale_one_is_dropped_whole(tmp_path):
+    """Async mode's batches: taken whole in order; one holding a row more than max_staleness
+    versions behind is dropped whole and counted; the batches survive a parquet round trip."""
+    buf = ExperienceBuffer(max_staleness=1)
+    first = make_experience(rows(2, version=0) + rows(2, version=1, offset=2))  # oldest row at version 0
+    buf.put_batch(first)
+    assert buf.put_batch(make_experience(rows(3, version=1, offset=10))) == 2
+    buf.save(tmp_path / "b.parquet")
+    buf.set_policy_version(1)
+    table, dropped = buf.take_batch()
+    assert dropped == 0 and table.column("uid").to_pylist() == ["u0", "u1", "u2", "u3"]
+    buf.set_policy_version(3)  # the second batch (version 1) is now 2 behind
+    table, dropped = buf.take_batch()
+    assert table.num_rows == 0 and dropped == 1
+    assert buf.stats() == {"size": 0, "batches": 0, "dropped_stale": 3, "dropped_batches": 1, "version": 3}
+
+    again = ExperienceBuffer(max_staleness=1)
+    assert again.load(tmp_path / "b.parquet") == 7 and again.batches() == 2
+    again.set_policy_version(2)  # the first batch's version-0 rows are 2 behind: it goes, the second stays
+    table, dropped = again.take_batch()
+    assert dropped == 1 and table.column("uid").to_pylist() == ["u10", "u11", "u12"]

@@ -69,8 +69,23 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
 )
 def test_overlapped_rollout_needs_an_algorithm_and_buffer_that_allow_it(extra, message):
     with pytest.raises(ConfigError, match=message):
-        build_algorithm(load_config(QUICKSTART, ["trainer.overlap_rollout=true", *extra]))
-    assert build_algorithm(load_config(QUICKSTART, ["trainer.overlap_rollout=true", "buffer.max_staleness=1"]))
+        build_algorithm(load_config(QUICKSTART, ["trainer.mode=overlap", *extra]))
+    assert build_algorithm(load_config(QUICKSTART, ["trainer.mode=overlap", "buffer.max_staleness=1"]))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["algorithm.name=rloo", "buffer.max_staleness=2"], r"'trainer.mode'=async: algorithm 'rloo' needs its"),
+        ([], "set buffer.max_staleness >= 1"),
+        (["buffer.max_staleness=2", "trainer.weight_sync=broadcast"], r"'trainer.weight_sync'=broadcast: trainer"),
+        (["buffer.max_staleness=2", "trainer.weight_sync=shared_memory"], r"\(allowed: auto, object_store\)$"),
+    ],
+)
+def test_async_mode_needs_stale_rows_a_bound_and_a_sync_that_does_not_wait_on_the_workers(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_algorithm(load_config(QUICKSTART, ["trainer.mode=async", *extra]))
+    assert build_algorithm(load_config(QUICKSTART, ["trainer.mode=async", "buffer.max_staleness=2"]))
 
 
 def test_shaping_a_judge_or_model_score_is_refused_when_the_algorithm_is_built():
@@ -87,7 +102,7 @@ def test_check_job_takes_the_algorithm_it_is_given():
     """The rules across sections look at the built algorithm (its capabilities), not at its name."""
     from rlsys.config import check_job
 
-    cfg = load_config(QUICKSTART, ["trainer.overlap_rollout=true", "buffer.max_staleness=1"])
+    cfg = load_config(QUICKSTART, ["trainer.mode=overlap", "buffer.max_staleness=1"])
     check_job(cfg, build_algorithm(cfg))
     with pytest.raises(ConfigError, match="algorithm 'grpo' needs its rollout on the current policy"):
         check_job(cfg, object())  # declares no TrainsOnStaleRows

@@ -119,7 +119,10 @@ def test_ppo_and_rloo_run(ray_cluster, tmp_path, algorithm):
         gc.enable()
 
 
-@pytest.mark.parametrize("weight_sync", ["auto", "object_store"])  # auto: shared memory on this one node
+@pytest.mark.parametrize(
+    "weight_sync",
+    ["auto", "object_store", "async"],  # auto: shared memory on this one node; async: the object store, unsettled
+)
 def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cluster, tmp_path, weight_sync):
     import os
     import signal
@@ -129,7 +132,12 @@ def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cl
 
     cfg = load_config(
         "configs/quickstart.yaml",
-        [*TINY, f"run.output_dir={tmp_path}", "run.name=faults", f"trainer.weight_sync={weight_sync}"],
+        [*TINY, f"run.output_dir={tmp_path}", "run.name=faults"]
+        + (
+            ["trainer.mode=async", "buffer.max_staleness=1"]
+            if weight_sync == "async"
+            else [f"trainer.weight_sync={weight_sync}"]
+        ),
     )
     c = Controller(cfg, tmp_path / "faults", progress=False)
     c.start_actors(c.prepare_policy())
@@ -400,7 +408,7 @@ def test_dead_learner_rank_stops_the_run_in_one_line_naming_the_checkpoint(ray_c
 
 
 def test_overlapped_rollout_trains_on_rows_one_version_old_and_checkpoints_them(ray_cluster, tmp_path):
-    """trainer.overlap_rollout: the next step's rows are generated while the learner trains, by
+    """trainer.mode=overlap: the next step's rows are generated while the learner trains, by
     the policy a version behind; the prefetched rows are in the checkpointed buffer, and the last
     step prefetches nothing."""
     import pyarrow.parquet as pq
@@ -408,7 +416,7 @@ def test_overlapped_rollout_trains_on_rows_one_version_old_and_checkpoints_them(
     controller, summary = run_job(
         tmp_path,
         "grpo",
-        ["trainer.steps=3", "trainer.overlap_rollout=true", "buffer.max_staleness=1", "trainer.checkpoint_every=2"],
+        ["trainer.steps=3", "trainer.mode=overlap", "buffer.max_staleness=1", "trainer.checkpoint_every=2"],
     )
     rows = [json.loads(l) for l in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_lag"] for r in rows] == [0.0, 1.0, 1.0]

@@ -1,7 +1,8 @@
 """Bit-identical reruns: the same config and seed run twice on the same cluster shape end with the
 same weights (max abs difference 0) and the same metrics, evaluation and sample rows, timings
 aside: one rollout worker and a one-rank learner; two workers and a two-rank ZeRO-2 learner; two
-workers with the rollout overlapped with training; and an object-store sync in buckets against one
+workers with the rollout overlapped with training; two workers in async mode with its deterministic
+interleaving (batches two versions ahead); and an object-store sync in buckets against one
 in one object."""
 
 import numpy as np
@@ -16,7 +17,9 @@ pytestmark = pytest.mark.integration
 SHAPES = {
     "1 worker, 1 rank": ["rollout.num_workers=1", "learner.num_ranks=1"],
     "2 workers, 2 ranks": ["rollout.num_workers=2", "learner.num_ranks=2", "learner.zero_stage=2"],
-    "overlap": ["rollout.num_workers=2", "trainer.overlap_rollout=true", "buffer.max_staleness=1"],
+    "overlap": ["rollout.num_workers=2", "trainer.mode=overlap", "buffer.max_staleness=1"],
+    "async, deterministic": ["rollout.num_workers=2", "trainer.mode=async", "buffer.max_staleness=2"]
+    + ["trainer.deterministic=true"],
 }
 
 

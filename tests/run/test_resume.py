@@ -1,6 +1,7 @@
 """Exact resume: a run killed with SIGKILL after a checkpoint and resumed ends with the same
 weights (max abs difference 0) and the same metrics rows as the uninterrupted run; full
-fine-tuning, and LoRA (learner.lora: the checkpoint holds the adapters and their optimizer state)."""
+fine-tuning, LoRA (learner.lora: the checkpoint holds the adapters and their optimizer state), and
+async mode with its deterministic interleaving (the checkpoint holds the batches made ahead)."""
 
 import json
 import os
@@ -60,6 +61,8 @@ WARM = ["sft.steps=150", "sft.lr=0.005"]  # a warm-up after which some rewards a
 TRAINING = {
     "full": WARM,
     "lora": [*WARM, "learner.lora.rank=4", "learner.lora.alpha=8", "learner.lr=0.01"],
+    # the checkpoint holds the batches made ahead; the producer goes on after them
+    "async": [*WARM, "trainer.mode=async", "buffer.max_staleness=2", "trainer.deterministic=true"],
 }
 
 

@@ -1,0 +1,132 @@
+"""Synchronous vs overlapped vs asynchronous training, side by side in one command: GRPO on the
+reasoning task (configs/reasoning.yaml: responses of ~40-128 tokens whose lengths vary within and
+across batches) with 2 rollout workers and 1 learner, from the same warmed-up policy, each mode for
+the same number of steps (equal samples) and seeds, interleaved mode by mode within a seed so the
+machine's drift hits all of them. Prints one markdown table (also OUT/async.md; the rows in
+OUT/async.jsonl): training samples/s and its ratio to sync, held-out greedy accuracy after the
+steps, the rows' staleness and the batches dropped.
+
+    .venv/bin/python benchmarks/async.py                        # sync, overlap, async k = 1 2 4; seeds 0 1
+    .venv/bin/python benchmarks/async.py --steps 6 --seeds 0 --warm runs/reasoning/policy_init
+
+Arguments with `=` override the config for every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlsys.cluster import init_ray  # noqa: E402  (before anything imports ray)
+
+MODES = {
+    "sync": ["trainer.mode=sync"],
+    "overlap": ["trainer.mode=overlap", "buffer.max_staleness=1"],
+    "async k=1": ["trainer.mode=async", "buffer.max_staleness=1"],
+    "async k=2": ["trainer.mode=async", "buffer.max_staleness=2"],
+    "async k=4": ["trainer.mode=async", "buffer.max_staleness=4"],
+}
+
+
+def reasoning_bench():
+    """benchmarks/reasoning.py as a module: its warm-up and its start of a run from the warm policy."""
+    spec = importlib.util.spec_from_file_location("reasoning_bench", ROOT / "benchmarks" / "reasoning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict:
+    """`steps` training steps of one mode and seed; their wall time (the first rollout included:
+    a pipeline's fill is part of its cost), then the held-out greedy accuracy."""
+    settings = [*overrides, *MODES[mode], f"trainer.steps={steps}", "trainer.eval_every=0", "rollout.num_workers=2"]
+    c = bench.start_method(config, settings, "grpo", seed, warm_dir, out / mode.replace(" ", "").replace("=", ""))
+    rows = []
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            rows.append(c.train_step())
+        wall = time.perf_counter() - start
+        accuracy = c.evaluate(greedy=True)["accuracy"]
+    finally:
+        c.shutdown()
+    samples = sum(r["samples"] for r in rows)
+    return {
+        "mode": mode,
+        "seed": seed,
+        "steps": steps,
+        "samples": samples,
+        "wall_s": wall,
+        "samples_per_s": samples / wall,
+        "heldout_greedy": accuracy,
+        "train_reward_last_half": float(np.mean([r["reward/mean"] for r in rows[steps // 2 :]])),
+        "response_length": float(np.mean([r["response_length"] for r in rows])),
+        "staleness_mean": float(np.mean([r["staleness/mean"] for r in rows])),
+        "staleness_max": float(max(r["staleness/max"] for r in rows)),
+        "dropped_batches": float(rows[-1].get("staleness/dropped_batches", 0.0)),
+        "learner_wait_s": float(sum(r.get("time/rollout_wait", 0.0) for r in rows)),
+    }
+
+
+def table(results: list[dict]) -> str:
+    """One row per mode: means over seeds (and the range of samples/s)."""
+    sync = np.mean([r["samples_per_s"] for r in results if r["mode"] == "sync"])
+    lines = [
+        "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) | response tokens "
+        "| staleness mean / max | batches dropped | wall s | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in MODES:
+        rs = [r for r in results if r["mode"] == mode]
+        if not rs:
+            continue
+        speed = [r["samples_per_s"] for r in rs]
+        mean = lambda key: float(np.mean([r[key] for r in rs]))  # noqa: E731
+        lines.append(
+            f"| {mode} | {np.mean(speed):.1f} ({min(speed):.1f}-{max(speed):.1f}) | {np.mean(speed) / sync:.2f}x "
+            f"| {mean('heldout_greedy'):.3f} | {mean('train_reward_last_half'):.3f} | {mean('response_length'):.0f} "
+            f"| {mean('staleness_mean'):.2f} / {max(r['staleness_max'] for r in rs):.0f} "
+            f"| {sum(r['dropped_batches'] for r in rs):.0f} | {mean('wall_s'):.0f} | {len(rs)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/reasoning.yaml")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--steps", type=int, default=16, help="training steps per run (equal samples for every mode)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench-async"))
+    p.add_argument("--warm", type=Path, help="a warmed-up policy dir to start from (a run's policy_init)")
+    args, overrides = p.parse_known_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    init_ray()
+    bench = reasoning_bench()
+    warm_dir = args.warm or bench.warm_policy(args.config, overrides, args.out)[0]
+    results = []
+    with (args.out / "async.jsonl").open("w") as log:
+        for seed in args.seeds:
+            for mode in args.modes:
+                r = run_mode(bench, args.config, overrides, mode, seed, warm_dir, args.out, args.steps)
+                results.append(r)
+                log.write(json.dumps(r) + "\n")
+                log.flush()
+                speed, greedy = r["samples_per_s"], r["heldout_greedy"]
+                print(f"  {mode} s{seed}: {speed:.1f} samples/s, greedy {greedy:.3f}", flush=True)
+    text = table(results)
+    (args.out / "async.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
