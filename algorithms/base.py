@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from rlsys.config import ConfigError, check_job, validate_section
 from rlsys.contract import Prompt, RolloutContext
-from rlsys.experience import make_experience, new_uid
+from rlsys.experience import TOKEN_VERSIONS, make_experience, new_uid
 from rlsys.generation import GenerationRequest
 
 _REGISTRY: dict[str, type] = {}
@@ -112,9 +112,11 @@ def sample_groups(ctx: RolloutContext, prompts: Sequence[Prompt], n: int, with_r
                 reward=0.0,
                 policy_version=g.policy_version,
                 meta={**prompt.meta, "finish_reason": g.finish_reason},
+                token_versions=g.token_versions,
             )
         )
-    table = make_experience(rows)
+    chunked = any(g.token_versions is not None for g in generations)  # rollout.inflight_update: resume
+    table = make_experience(rows, TOKEN_VERSIONS if chunked else None)
     if not with_ref:
         return set_rewards(table, ctx.score(table))
     rewards, ref_logprobs = score_and_ref_logprobs(ctx, table)

@@ -263,6 +263,17 @@ class RolloutConfig(Section):
     quantized: Optional[str] = Field(None, description="SliM-LLM quantised dir (rlsys quantize) to serve, hf backend")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM engine (vllm backend)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory fraction a vLLM engine takes")
+    inflight_update: Literal["finish", "resume"] = Field(
+        "finish",
+        description="trainer.mode async: what a generation in progress does when new weights arrive. finish: it "
+        "ends under the weights it started with; resume (partial rollouts): it is generated in chunks of "
+        "rollout.inflight_chunk_tokens, each unfinished response stopped at a chunk's end and resumed from its "
+        "prefix (prompt and tokens so far, prefilled again) by the newest weights the worker holds; every token "
+        "records the policy version that sampled it (token_versions) and a row's policy_version is its oldest",
+    )
+    inflight_chunk_tokens: int = Field(
+        32, ge=1, description="rollout.inflight_update resume: tokens generated per chunk before new weights may load"
+    )
 
     @field_validator("decode")
     @classmethod
@@ -963,7 +974,8 @@ class JobConfig(Section):
 CROSS_SECTION_RULES = (
     "`trainer.mode: overlap | async` needs an algorithm whose loss corrects rows one policy version old "
     "({stale}) and `buffer.max_staleness >= 1`; `async` needs `trainer.weight_sync: auto | object_store` (the "
-    "workers load new weights between generations while the learner runs on).",
+    "workers load new weights between generations while the learner runs on); `rollout.inflight_update: resume` "
+    "needs `trainer.mode: async` and `rollout.backend: hf`.",
     "An algorithm that trains several policies (cdg with `algorithm.models` other than `shared`) needs "
     "`rollout.backend: hf` and a `trainer.weight_sync` other than `broadcast`.",
     "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward, not a reward model's or a "
@@ -998,6 +1010,11 @@ def check_job(cfg: JobConfig, algorithm) -> None:
                 f"config error: 'trainer.mode'={mode} trains on rows at least one policy version old: "
                 "set buffer.max_staleness >= 1"
             )
+    if cfg.rollout.inflight_update != "finish" and (mode != "async" or cfg.rollout.backend != "hf"):
+        raise ConfigError(
+            f"config error: 'rollout.inflight_update'={cfg.rollout.inflight_update}: weights change during a "
+            f"generation only under trainer.mode=async with rollout.backend=hf (here: {mode}, {cfg.rollout.backend})"
+        )
     if mode == "async" and cfg.trainer.weight_sync not in ("auto", "object_store"):
         raise ConfigError(
             f"config error: 'trainer.weight_sync'={cfg.trainer.weight_sync}: trainer.mode=async loads new weights "

@@ -34,6 +34,22 @@ EXPERIENCE_SCHEMA = pa.schema(
     ]
 )
 
+# an optional column (rollout.inflight_update: resume): the policy version of each response token
+TOKEN_VERSIONS = pa.schema([("token_versions", pa.list_(pa.int64()))])
+
+
+def response_token_versions(table: pa.Table) -> list[list[int]]:
+    """The policy version that sampled each response token of each row: its `token_versions`
+    where the row has them, else the row's `policy_version` on every token."""
+    per_token = table.column("token_versions").to_pylist() if "token_versions" in table.column_names else None
+    return [
+        per_token[i] if per_token is not None and per_token[i] is not None else [version] * len(response)
+        for i, (version, response) in enumerate(
+            zip(table.column("policy_version").to_pylist(), table.column("response_ids").to_pylist())
+        )
+    ]
+
+
 REQUIRED = ("uid", "group", "prompt_ids", "response_ids", "logprobs", "reward", "policy_version")
 REQUIRED_KEYS = frozenset(REQUIRED)
 

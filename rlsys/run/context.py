@@ -13,7 +13,7 @@ import ray
 
 from rlsys.config import JobConfig
 from rlsys.errors import RunFailed
-from rlsys.generation import SamplingParams
+from rlsys.generation import SamplingParams, generate_in_chunks
 
 
 @dataclasses.dataclass
@@ -77,6 +77,8 @@ class ActorContext:
         # trainer.mode async: a producer thread generates while the learner's thread syncs weights,
         # so a generate does not wait for the sync in flight (rows carry the version that sampled them)
         self.asynchronous = cfg.trainer.mode == "async"
+        # rollout.inflight_update resume: generations in chunks, each resumed by the newest weights
+        self.inflight_chunk = cfg.rollout.inflight_chunk_tokens if cfg.rollout.inflight_update == "resume" else None
         self.episodes = None  # an EpisodeSettings (algorithms/episodes.py) when env.name is set, by the controller
 
     @property
@@ -131,7 +133,16 @@ class ActorContext:
         return self.generate_each({policy: requests})[policy]
 
     def generate_each(self, requests_by_policy: dict) -> dict:
-        """`generate` for several policies at once (CDG's per-role models): every worker's share
+        """`generate` for several policies at once (CDG's per-role models), in chunks under
+        `rollout.inflight_update: resume` (rlsys.generation.generate_in_chunks; not for requests
+        that ask for embeddings, which are of the whole response)."""
+        wants_embedding = any(r.embedding for reqs in requests_by_policy.values() for r in reqs)
+        if self.inflight_chunk is None or wants_embedding:
+            return self._generate_each(requests_by_policy)
+        return generate_in_chunks(self._generate_each, requests_by_policy, self.inflight_chunk)
+
+    def _generate_each(self, requests_by_policy: dict) -> dict:
+        """One generate call per worker of each policy: every worker's share
         is sent before any is awaited, so the models' workers generate side by side. A weight
         sync still in flight is awaited after the calls are sent (a worker runs its calls in
         order: it loads the weights, then generates) and before any result is used (under async

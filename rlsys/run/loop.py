@@ -10,12 +10,14 @@ RolloutContext, its timings and the policy version).
 from __future__ import annotations
 
 import time
+from itertools import chain
 
 import numpy as np
 import pyarrow as pa
 
 from algorithms.episodes import episode_metrics
 from rlsys.contract import ReportsPrepareMetrics, RestartsPolicy
+from rlsys.experience import response_token_versions
 from rlsys.run.stop import stop_at_boundary
 from rlsys.tracking import Tracker, rollout_samples
 
@@ -67,7 +69,7 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     run.learner_group.step = run.step + 1  # the step a learner rank's death is reported in
     table = run.rollouts.take()
     lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
-    staleness = np.repeat(lag, [len(r) for r in table.column("response_ids").to_pylist()])  # per token
+    staleness = ctx.policy_version - np.asarray(list(chain.from_iterable(response_token_versions(table))), dtype=int)
     # prepare: a batch per trained policy; None from the algorithm: no update for it this step
     with ctx.timed("prepare"):
         batches = {name: run.algorithm.prepare(rows) for name, rows in run.rows_per_policy(table).items()}
@@ -101,7 +103,7 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
 
 def staleness_metrics(staleness: np.ndarray) -> dict[str, float]:
     """`staleness/mean` and `staleness/max` of the step's response tokens, in policy versions
-    behind the learner (every token of a row was sampled by the row's policy version)."""
+    behind the learner (each token's own version where the rows record one, else its row's)."""
     if not len(staleness):
         return {"staleness/mean": 0.0, "staleness/max": 0.0}
     return {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max())}

@@ -81,3 +81,71 @@ def test_an_empty_prompt_is_named_before_any_generation():
     ]
     with pytest.raises(ValueError, match="generation request 1 has an empty prompt"):
         backend.generate(reqs)
+
+
+def chunk_models():
+    spec = TinyModelSpec(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    models = [build_tiny_model(spec, None, seed=s).eval() for s in (0, 1)]
+    for m in models:
+        m.config.eos_token_id, m.config.pad_token_id = 1, 0
+    return models
+
+
+def test_partial_rollouts_resume_from_the_prefix_and_record_each_tokens_version(one_torch_thread):
+    """rollout.inflight_update resume: under unchanged weights, greedy decoding in chunks gives the
+    unchunked tokens (and their logprobs); when new weights load between two chunks, the tokens
+    after are the new policy's continuation of the same prefix, each marked with its version."""
+    from rlsys.generation import generate_in_chunks
+
+    policy, newer = chunk_models()
+    backend = HFBackend("unused", model=policy)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    requests = [GenerationRequest([5, 6, 7], greedy), GenerationRequest([9, 3, 4, 8, 2], greedy)]
+    whole = backend.generate(requests)
+    chunked = generate_in_chunks(lambda asked: {"p": backend.generate(asked["p"])}, {"p": requests}, 5)["p"]
+    for a, b in zip(whole, chunked):
+        assert a.response_ids == b.response_ids and len(b.response_ids) == 12
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+        assert b.token_versions == [0] * 12 and b.policy_version == 0
+
+    version = {"now": 0}
+
+    def generate_each(asked):  # the worker receives new weights after the first chunk
+        gens = backend.generate(asked["p"])
+        for g in gens:
+            g.policy_version = version["now"]
+        if version["now"] == 0:
+            backend.load_weights({k: v.numpy().copy() for k, v in newer.state_dict().items()})
+            version["now"] = 1
+        return {"p": gens}
+
+    backend.load_weights({k: v.numpy().copy() for k, v in policy.state_dict().items()})
+    resumed = generate_in_chunks(generate_each, {"p": requests}, 5)["p"]
+    for request, first, g in zip(requests, whole, resumed):
+        assert g.response_ids[:5] == first.response_ids[:5]  # the first chunk: the old policy's
+        assert g.token_versions == [0] * 5 + [1] * 7 and g.policy_version == 0
+        prefix = GenerationRequest(
+            request.prompt_ids + g.response_ids[:5], SamplingParams(max_new_tokens=7, temperature=0.0)
+        )
+        assert g.response_ids[5:] == backend.generate([prefix])[0].response_ids  # the newer policy's continuation
+
+
+def test_partial_rollouts_keep_n_samples_per_request_in_order(one_torch_thread):
+    from rlsys.generation import generate_in_chunks
+
+    backend = HFBackend("unused", model=chunk_models()[0])
+    params = SamplingParams(n=3, max_new_tokens=9, temperature=1.0, seed=4)
+    requests = [GenerationRequest([5, 6, 7], params), GenerationRequest([9, 3], params)]
+    gens = generate_in_chunks(lambda asked: {"p": backend.generate(asked["p"])}, {"p": requests}, 4)["p"]
+    assert [g.request_index for g in gens] == [0, 0, 0, 1, 1, 1]
+    assert [g.prompt_ids for g in gens] == [[5, 6, 7]] * 3 + [[9, 3]] * 3
+    for g in gens:
+        assert 1 <= len(g.response_ids) <= 9 and len(g.logprobs) == len(g.token_versions) == len(g.response_ids)
+        assert g.finish_reason == ("stop" if g.response_ids[-1] == 1 else "length")

@@ -146,3 +146,31 @@ def test_an_async_run_keeps_every_row_within_the_bound_and_checkpoints_its_queue
 
 def placement_sync(run_dir) -> str:
     return json.loads((run_dir / "placement.json").read_text())["weight_sync"]
+
+
+def test_partial_rollouts_record_each_tokens_version_within_the_bound(ray_cluster, tmp_path):
+    """rollout.inflight_update resume: responses generated in chunks of 2 tokens, each chunk by the
+    newest weights its worker holds; every token's version is recorded (the checkpointed batches
+    keep them) and no token is more than k versions behind when trained on."""
+    from rlsys.experience import response_token_versions
+    from rlsys.run.controller import Controller
+
+    cfg = load_config(
+        "configs/quickstart.yaml",
+        [*TINY_JOB, "rollout.max_new_tokens=6", "rollout.num_workers=2", "trainer.steps=4", "trainer.eval_every=0"]
+        + ["trainer.mode=async", "buffer.max_staleness=1", "trainer.checkpoint_every=2"]
+        + ["rollout.inflight_update=resume", "rollout.inflight_chunk_tokens=2"]
+        + [f"run.output_dir={tmp_path}", "run.name=partial"],
+    )
+    controller = Controller(cfg, tmp_path / "partial", progress=False)
+    controller.run()
+    controller.shutdown()
+    rows = [json.loads(l) for l in (tmp_path / "partial" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in rows] == [32] * 4 and all(r["staleness/max"] <= 1 for r in rows)
+    saved = pq.read_table(tmp_path / "partial" / "checkpoints" / "step_2" / "buffer.parquet")
+    versions = response_token_versions(saved)
+    assert saved.column("token_versions").null_count == 0
+    assert [len(v) for v in versions] == [len(r) for r in saved.column("response_ids").to_pylist()]
+    row_versions = saved.column("policy_version").to_pylist()
+    assert all(row == min(v) for row, v in zip(row_versions, versions) if v)  # a row's version: its oldest token's
+    assert all(v == sorted(v) and min(v) >= 2 - 1 for v in versions if v)  # versions only grow along a response
