@@ -6,7 +6,7 @@ machine's drift hits all of them. Prints one markdown table (also OUT/async.md; 
 OUT/async.jsonl): training samples/s and its ratio to sync, held-out greedy accuracy after the
 steps, the rows' staleness and the batches dropped.
 
-    .venv/bin/python benchmarks/async.py                        # sync, overlap, async k = 1 2 4; seeds 0 1
+    .venv/bin/python benchmarks/async.py                 # sync, overlap, async k = 1 2 4, k = 2 partial; seeds 0 1
     .venv/bin/python benchmarks/async.py --steps 6 --seeds 0 --warm runs/reasoning/policy_init
 
 Arguments with `=` override the config for every mode.
@@ -34,7 +34,12 @@ MODES = {
     "async k=1": ["trainer.mode=async", "buffer.max_staleness=1"],
     "async k=2": ["trainer.mode=async", "buffer.max_staleness=2"],
     "async k=4": ["trainer.mode=async", "buffer.max_staleness=4"],
+    "async k=2, partial": ["trainer.mode=async", "buffer.max_staleness=2", "rollout.inflight_update=resume"]
+    + ["rollout.inflight_chunk_tokens=32"],
 }
+
+
+PHASES = ("generate", "reward", "reference", "train", "sync")
 
 
 def reasoning_bench():
@@ -49,7 +54,7 @@ def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict
     """`steps` training steps of one mode and seed; their wall time (the first rollout included:
     a pipeline's fill is part of its cost), then the held-out greedy accuracy."""
     settings = [*overrides, *MODES[mode], f"trainer.steps={steps}", "trainer.eval_every=0", "rollout.num_workers=2"]
-    c = bench.start_method(config, settings, "grpo", seed, warm_dir, out / mode.replace(" ", "").replace("=", ""))
+    c = bench.start_method(config, settings, "grpo", seed, warm_dir, out / "".join(ch for ch in mode if ch.isalnum()))
     rows = []
     try:
         start = time.perf_counter()
@@ -74,6 +79,8 @@ def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict
         "staleness_max": float(max(r["staleness/max"] for r in rows)),
         "dropped_batches": float(rows[-1].get("staleness/dropped_batches", 0.0)),
         "learner_wait_s": float(sum(r.get("time/rollout_wait", 0.0) for r in rows)),
+        # seconds a step, per phase (under overlap and async the rollout phases run beside training)
+        **{f"{phase}_s": float(np.mean([r.get(f"time/{phase}", 0.0) for r in rows])) for phase in PHASES},
     }
 
 
@@ -82,8 +89,8 @@ def table(results: list[dict]) -> str:
     sync = np.mean([r["samples_per_s"] for r in results if r["mode"] == "sync"])
     lines = [
         "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) | response tokens "
-        "| staleness mean / max | batches dropped | wall s | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| staleness mean / max | batches dropped | s a step: generate / train | wall s | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
         rs = [r for r in results if r["mode"] == mode]
@@ -95,7 +102,8 @@ def table(results: list[dict]) -> str:
             f"| {mode} | {np.mean(speed):.1f} ({min(speed):.1f}-{max(speed):.1f}) | {np.mean(speed) / sync:.2f}x "
             f"| {mean('heldout_greedy'):.3f} | {mean('train_reward_last_half'):.3f} | {mean('response_length'):.0f} "
             f"| {mean('staleness_mean'):.2f} / {max(r['staleness_max'] for r in rs):.0f} "
-            f"| {sum(r['dropped_batches'] for r in rs):.0f} | {mean('wall_s'):.0f} | {len(rs)} |"
+            f"| {sum(r['dropped_batches'] for r in rs):.0f} | {mean('generate_s'):.2f} / {mean('train_s'):.2f} "
+            f"| {mean('wall_s'):.0f} | {len(rs)} |"
         )
     return "\n".join(lines)
 

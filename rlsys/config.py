@@ -1186,11 +1186,15 @@ def _anchor(title: str) -> str:
 
 
 # ---- loading -----------------------------------------------------------------------------------
+RENAMED_KEYS = {"trainer.overlap_rollout": "trainer.mode: overlap"}  # an old config is told the new key
+
+
 def _describe(err: dict, prefix: str) -> str:
     key = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
     value = err.get("input")
     if err["type"] == "extra_forbidden":
-        return f"config error: unknown key '{key}'"
+        renamed = RENAMED_KEYS.get(key)
+        return f"config error: unknown key '{key}'" + (f" (it became {renamed})" if renamed else "")
     if err["type"] == "missing":
         return f"config error: '{key}' is required"
     return f"config error: {key} = {value!r}: {err['msg']}"

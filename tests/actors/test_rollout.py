@@ -7,18 +7,22 @@ from rlsys.generation import GenerationRequest, SamplingParams
 from rlsys.models import TinyModelSpec, build_tiny_model
 
 
+def tiny_spec(vocab: int = 64, layers: int = 1) -> TinyModelSpec:
+    return TinyModelSpec(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+
+
 def test_sampling_draws_from_the_full_softmax(one_torch_thread):
     """top_k=0 / top_p=1.0 sample the full softmax the learner differentiates: no default
     truncation (transformers' global default is top_k=50) hides most of a near-uniform
     256-token distribution, and the logprobs are that distribution's."""
-    spec = TinyModelSpec(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    spec = tiny_spec(vocab=256)
     model = build_tiny_model(spec, None, seed=0).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(0.01)  # near-uniform next-token distribution
@@ -38,14 +42,7 @@ def test_loaded_weights_are_read_in_place_not_copied():
     import numpy as np
     import pytest
 
-    spec = TinyModelSpec(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    spec = tiny_spec()
     model, other = build_tiny_model(spec, None, seed=0).eval(), build_tiny_model(spec, None, seed=1).eval()
     backend = HFBackend("unused", model=model)
     weights = {k: v.numpy().copy() for k, v in other.state_dict().items()}
@@ -66,14 +63,7 @@ def test_loaded_weights_are_read_in_place_not_copied():
 def test_an_empty_prompt_is_named_before_any_generation():
     import pytest
 
-    spec = TinyModelSpec(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    spec = tiny_spec()
     backend = HFBackend("unused", model=build_tiny_model(spec, None, seed=0).eval())
     reqs = [
         GenerationRequest([5, 6], SamplingParams(max_new_tokens=2)),
@@ -84,14 +74,7 @@ def test_an_empty_prompt_is_named_before_any_generation():
 
 
 def chunk_models():
-    spec = TinyModelSpec(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    spec = tiny_spec(layers=2)
     models = [build_tiny_model(spec, None, seed=s).eval() for s in (0, 1)]
     for m in models:
         m.config.eos_token_id, m.config.pad_token_id = 1, 0

@@ -88,6 +88,13 @@ def test_async_mode_needs_stale_rows_a_bound_and_a_sync_that_does_not_wait_on_th
     assert build_algorithm(load_config(QUICKSTART, ["trainer.mode=async", "buffer.max_staleness=2"]))
 
 
+def test_a_renamed_key_names_its_successor():
+    with pytest.raises(
+        ConfigError, match=r"^config error: unknown key 'trainer.overlap_rollout' \(it became trainer.mode: overlap\)$"
+    ):
+        load_config(QUICKSTART, ["trainer.overlap_rollout=true"])
+
+
 def test_shaping_a_judge_or_model_score_is_refused_when_the_algorithm_is_built():
     with pytest.raises(
         ConfigError,
