@@ -51,14 +51,16 @@ def warm_policy(config: str, overrides: list[str], out: Path) -> tuple[Path, flo
 
 def start_method(config, overrides, method, seed, warm_dir, out):
     """A Controller of `method` and `seed` with its actors started from a copy of the warm policy
-    (OUT/METHOD-sSEED/policy_init, which prepare_policy reuses: every method starts the same)."""
+    (OUT/METHOD-sSEED/policy_init, which prepare_policy reuses: every method starts the same).
+    `method`: an algorithm's name, or a variant's label (its algorithm.name is in `overrides`,
+    after this one, so it wins)."""
     from rlsys.config import load_config
     from rlsys.run.controller import Controller
 
     name = f"{method}-s{seed}"
     cfg = load_config(
         config,
-        [*overrides, f"algorithm.name={method}", f"run.seed={seed}", f"run.output_dir={out}", f"run.name={name}"],
+        [f"algorithm.name={method}", *overrides, f"run.seed={seed}", f"run.output_dir={out}", f"run.name={name}"],
     )
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -131,8 +133,8 @@ def table(curves: dict[tuple[str, int], list[dict]], pass_k: int) -> str:
     spread = lambda xs: f"{np.mean(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"  # noqa: E731
     lines = [
         f"| method | start greedy | greedy at equal samples | pass@{pass_k} at equal samples "
-        f"| greedy at {fastest:.0f} s | training wall s | seeds |",
-        "|---|---|---|---|---|---|---|",
+        f"| greedy at {fastest:.0f} s | train reward (last) | response tokens (last) | training wall s | seeds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method in methods:
         runs = [c for (m, _), c in curves.items() if m == method]
@@ -140,14 +142,17 @@ def table(curves: dict[tuple[str, int], list[dict]], pass_k: int) -> str:
             f"| {method} | {spread([c[0]['greedy'] for c in runs])} | {spread([c[-1]['greedy'] for c in runs])} "
             f"| {spread([c[-1][f'pass@{pass_k}'] for c in runs])} "
             f"| {spread([at_wall_time(c, fastest)['greedy'] for c in runs])} "
+            f"| {np.mean([c[-1]['train_reward'] for c in runs]):.3f} "
+            f"| {np.mean([c[-1]['response_length'] for c in runs]):.1f} "
             f"| {np.mean([c[-1]['wall_s'] for c in runs]):.0f} | {len(runs)} |"
         )
     return "\n".join(lines)
 
 
 def plot(curves: dict[tuple[str, int], list[dict]], path: Path, pass_k: int) -> bool:
-    """Greedy accuracy and pass@k against samples and against wall-clock, a line per method (the
-    mean over seeds at each evaluation). False where matplotlib is not installed."""
+    """Greedy accuracy and pass@k against samples and against wall-clock, and the training reward
+    and response length against samples (each the mean since the evaluation before), a line per
+    method (the mean over seeds at each evaluation). False where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -155,20 +160,26 @@ def plot(curves: dict[tuple[str, int], list[dict]], path: Path, pass_k: int) -> 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    axes = axes.ravel()
     for method in dict.fromkeys(m for m, _ in curves):
         runs = [c for (m, _), c in curves.items() if m == method]
         n = min(len(c) for c in runs)
-        mean = lambda key: np.mean([[p[key] for p in c[:n]] for c in runs], axis=0)  # noqa: E731
+        mean = lambda key, first=0: np.mean([[p[key] for p in c[first:n]] for c in runs], axis=0)  # noqa: E731
         axes[0].plot(mean("samples"), mean("greedy"), marker="o", label=method)
         axes[1].plot(mean("wall_s"), mean("greedy"), marker="o", label=method)
         axes[2].plot(mean("samples"), mean(f"pass@{pass_k}"), marker="o", label=method)
+        axes[3].plot(mean("samples", 1), mean("train_reward", 1), marker="o", label=method)  # none before training
+        axes[4].plot(mean("samples", 1), mean("response_length", 1), marker="o", label=method)
+    axes[5].axis("off")
     for ax, (x, y) in zip(
         axes,
         [
             ("training samples", "held-out greedy accuracy"),
             ("training wall s", "held-out greedy accuracy"),
             ("training samples", f"held-out pass@{pass_k}"),
+            ("training samples", "training reward"),
+            ("training samples", "response tokens"),
         ],
     ):
         ax.set_xlabel(x)
@@ -189,6 +200,15 @@ def main(argv: list[str]) -> None:
     p.add_argument("--eval-every", type=int, default=3200, help="training samples between held-out evaluations")
     p.add_argument("--pass-k", type=int, default=8, help="samples per held-out prompt for pass@k (a power of 2)")
     p.add_argument("--set", action="append", default=[], metavar="METHOD:KEY=VALUE", help="an override for one method")
+    p.add_argument(
+        "--variant",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("LABEL", "ALGORITHM"),
+        help="one more method: ALGORITHM under the name LABEL, with its own --set LABEL:KEY=VALUE overrides "
+        "(e.g. --variant grpo+cosine grpo --set 'grpo+cosine:task.shaping=[{cosine_length: {max_length: 128}}]')",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/bench-reasoning"))
     p.add_argument(
         "--warm", type=Path, help="a warmed-up policy dir to start from (a run's policy_init); default: warm up"
@@ -202,7 +222,8 @@ def main(argv: list[str]) -> None:
         "(repeat for several; a method and seed run again here replaces its earlier curve)",
     )
     args, overrides = p.parse_known_args(argv)
-    per_method = {}
+    per_method = {label: [f"algorithm.name={algorithm}"] for label, algorithm in args.variant}
+    args.methods += [label for label, _ in args.variant]
     for item in args.set:
         method, override = item.split(":", 1)
         per_method.setdefault(method, []).append(override)
