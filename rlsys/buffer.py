@@ -47,13 +47,15 @@ class ExperienceBuffer:
     def put_batch(self, table: pa.Table) -> int:
         """Hold one batch (async mode); the number of batches held."""
         validate_experience(table)
+        if table.num_rows == 0:
+            raise ValueError("a rollout batch of 0 rows: the algorithm's rollout sampled nothing")
         self.table = concat_experience([self.table, table])
         self.batch_rows.append(table.num_rows)
         return len(self.batch_rows)
 
-    def take_batch(self) -> tuple[pa.Table, int]:
-        """Remove and return the oldest batch (an empty table when none is left), after dropping
-        the batches that hold a row more than `max_staleness` versions behind; with how many it dropped."""
+    def take_batch(self) -> tuple[pa.Table | None, int]:
+        """Remove and return the oldest batch (None when none is left), after dropping the batches
+        that hold a row more than `max_staleness` versions behind; with how many it dropped."""
         dropped = 0
         while self.batch_rows:
             n = self.batch_rows.pop(0)
@@ -64,7 +66,7 @@ class ExperienceBuffer:
             dropped += 1
             self.dropped_batches += 1
             self.dropped_stale += n
-        return EXPERIENCE_SCHEMA.empty_table(), dropped
+        return None, dropped
 
     def batches(self) -> int:
         return len(self.batch_rows)

@@ -974,8 +974,9 @@ class JobConfig(Section):
 CROSS_SECTION_RULES = (
     "`trainer.mode: overlap | async` needs an algorithm whose loss corrects rows one policy version old "
     "({stale}) and `buffer.max_staleness >= 1`; `async` needs `trainer.weight_sync: auto | object_store` (the "
-    "workers load new weights between generations while the learner runs on); `rollout.inflight_update: resume` "
-    "needs `trainer.mode: async` and `rollout.backend: hf`.",
+    "workers load new weights between generations while the learner runs on); `rollout.inflight_update: resume`, "
+    "`trainer.deterministic` and `trainer.staleness_policy: drop` need `trainer.mode: async` (deterministic waits: "
+    "not with drop; inflight updates: `rollout.backend: hf`); async with `learner.lora` needs `zero_stage` < 3.",
     "An algorithm that trains several policies (cdg with `algorithm.models` other than `shared`) needs "
     "`rollout.backend: hf` and a `trainer.weight_sync` other than `broadcast`.",
     "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward, not a reward model's or a "
@@ -1010,6 +1011,21 @@ def check_job(cfg: JobConfig, algorithm) -> None:
                 f"config error: 'trainer.mode'={mode} trains on rows at least one policy version old: "
                 "set buffer.max_staleness >= 1"
             )
+    t = cfg.trainer
+    if mode != "async" and (t.deterministic or t.staleness_policy != "wait"):
+        key = "trainer.deterministic" if t.deterministic else "trainer.staleness_policy"
+        raise ConfigError(f"config error: '{key}' applies to trainer.mode=async only (here: {mode})")
+    if t.deterministic and t.staleness_policy == "drop":
+        raise ConfigError(
+            "config error: 'trainer.deterministic' fixes the interleaving by waiting: it takes "
+            "trainer.staleness_policy=wait, not drop"
+        )
+    if mode == "async" and cfg.learner.lora.rank > 0 and cfg.learner.zero_stage == 3:
+        raise ConfigError(
+            "config error: 'trainer.mode'=async with learner.lora under learner.zero_stage=3: the producer's "
+            "reference calls (the learner with its adapters off) would interleave with training's collectives "
+            "on the ranks (allowed: zero_stage 0-2, or mode sync/overlap)"
+        )
     if cfg.rollout.inflight_update != "finish" and (mode != "async" or cfg.rollout.backend != "hf"):
         raise ConfigError(
             f"config error: 'rollout.inflight_update'={cfg.rollout.inflight_update}: weights change during a "

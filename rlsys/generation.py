@@ -142,5 +142,7 @@ def generate_in_chunks(generate_each, requests_by_policy: dict, chunk: int) -> d
         resumed = generate_each({p: [row.next_request(chunk, round_) for row in grown] for p, grown in todo.items()})
         for policy, gens in resumed.items():
             for g in gens:
+                if not g.response_ids and g.finish_reason == "length":  # would be asked again forever
+                    raise RuntimeError(f"a resumed generation gave no token (chunk {round_}, row {g.request_index})")
                 todo[policy][g.request_index].extend(g)
         round_ += 1

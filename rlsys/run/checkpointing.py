@@ -89,7 +89,10 @@ def restore(run) -> tuple[Path, dict]:
         run.ctx.rng.bit_generator.state = state["controller_rng"]
         ray.get(run.buffer.set_rng_state.remote(state["buffer_rng"]))
         ray.get(run.reward.load_state.remote(state.get("reward", {})))
-        run.rollouts.restored(run.step, ray.get(run.buffer.stats.remote()))  # overlap, async: rows saved with it
+        try:  # overlap, async: the rows made ahead were saved with it
+            run.rollouts.restored(run.step, ray.get(run.buffer.stats.remote()))
+        except checkpoint.CheckpointError as e:
+            raise checkpoint.CheckpointError(f"checkpoint {path.name}: {e}") from None
         if isinstance(run.algorithm, Stateful):
             run.algorithm.load_state(state["algorithm"])
         run.sync_weights(state["policy_version"])

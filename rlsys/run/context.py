@@ -100,6 +100,10 @@ class ActorContext:
         with self._timings_lock:
             self.timings.clear()
 
+    def timings_snapshot(self) -> dict[str, float]:
+        with self._timings_lock:
+            return dict(self.timings)
+
     def sampling(self, **overrides) -> SamplingParams:
         r = self.cfg.rollout
         base = SamplingParams(

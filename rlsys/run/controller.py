@@ -355,6 +355,7 @@ class Controller:
         write_cluster_info(self.run_dir, cfg.run.name)
         t0 = time.perf_counter()
         tracker = Tracker(self.run_dir, cfg)  # first: a logger that cannot start fails before any actor
+        finished = False
         try:
             self.start_actors(self.prepare_policy())
             first, last_eval, restored = self._begin(resume, tracker)
@@ -364,10 +365,11 @@ class Controller:
                 last_eval = loop.train(self, tracker, bar, last_eval)
             bar.close()
             self._finish(tracker)
+            finished = True
         finally:
             tracker.close(failed=True)  # a no-op after _finish closed it
             if self.weights is not None:
-                self.rollouts.close()
+                self.rollouts.close(None if finished else cfg.trainer.sync_timeout_s)  # a failing run: not forever
                 self.weights.close()
         return {
             "run": cfg.run.name,

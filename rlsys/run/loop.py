@@ -17,7 +17,9 @@ import pyarrow as pa
 
 from algorithms.episodes import episode_metrics
 from rlsys.contract import ReportsPrepareMetrics, RestartsPolicy
+from rlsys.errors import RunFailed
 from rlsys.experience import response_token_versions
+from rlsys.run.rollouts import AsyncRollouts
 from rlsys.run.stop import stop_at_boundary
 from rlsys.tracking import Tracker, rollout_samples
 
@@ -44,7 +46,7 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
                 tracker.log_eval(*row)
             with run.ctx.timed("checkpoint"):
                 run.save_checkpoint(metrics)
-            metrics["time/checkpoint"] = run.ctx.timings["checkpoint"]
+            metrics["time/checkpoint"] = run.ctx.timings_snapshot()["checkpoint"]
         # log
         tracker.log(run.step, metrics)
         tracker.log_histograms(run.step, {"staleness": staleness})
@@ -78,6 +80,11 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
         metrics |= run.reward_metrics()
         if ctx.episodes is not None:  # multi-turn rows: their episode/* and tools/* rates
             metrics |= episode_metrics(table)
+    if not batches and isinstance(run.rollouts, AsyncRollouts):
+        raise RunFailed(
+            f"algorithm '{run.cfg.algorithm.name}' skipped the update of step {run.step + 1} (prepare gave no "
+            "batch): trainer.mode=async counts its staleness bound in policy versions, one per step; use sync"
+        )
     if batches:
         # train: every rank, not awaited (a ReST round first goes back to the initial policy)
         if isinstance(run.algorithm, RestartsPolicy) and run.algorithm.restarts_policy(table):
@@ -124,10 +131,11 @@ def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) ->
     }
     if run.cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
         metrics["accuracy/train"] = float((rewards >= 1.0).mean())
+    timings = ctx.timings_snapshot()  # under async the producer's thread adds to them meanwhile
     if ctx.sandbox is not None:  # every step of a run with a sandbox pool reports it, 0 when nothing ran
-        ctx.timings.setdefault("sandbox", 0.0)
-    metrics |= {f"time/{phase}": s for phase, s in ctx.timings.items()}
+        timings.setdefault("sandbox", 0.0)
+    metrics |= {f"time/{phase}": s for phase, s in timings.items()}
     metrics["time/step"] = seconds
-    metrics["perf/tokens_per_s"] = generated / max(ctx.timings.get("generate", 0.0), 1e-9)
+    metrics["perf/tokens_per_s"] = generated / max(timings.get("generate", 0.0), 1e-9)
     metrics["perf/samples_per_s"] = table.num_rows / seconds
     return metrics

@@ -9,6 +9,7 @@ import threading
 import pyarrow as pa
 import ray
 
+from rlsys.checkpoint import CheckpointError
 from rlsys.contract import Algorithm, Prompt
 from rlsys.run.context import ActorContext
 
@@ -90,6 +91,10 @@ class RolloutSource:
 
     def restored(self, step: int, buffer_stats: dict) -> None:
         """A checkpoint's rows are back in the buffer: under overlap, the next step's."""
+        if buffer_stats["batches"]:
+            raise CheckpointError(
+                f"it holds {buffer_stats['batches']} batches made ahead under trainer.mode=async: resume in that mode"
+            )
         self.prefetched = buffer_stats["size"] > 0
 
     # what AsyncRollouts does around syncs, checkpoints and the run's end; nothing here
@@ -102,7 +107,7 @@ class RolloutSource:
     def unpause(self) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         pass
 
     def metrics(self) -> dict[str, float]:
@@ -202,10 +207,10 @@ class AsyncRollouts:
                     self.queued_when_taken = self.produced - self.removed
                 table, dropped = self.source.call(self.source.buffer.take_batch.remote())
                 with self.cond:
-                    self.removed += dropped + (table.num_rows > 0)
+                    self.removed += dropped + (table is not None)
                     self.dropped += dropped
                     self.cond.notify_all()
-                if table.num_rows:
+                if table is not None:
                     return table
 
     def prefetch(self, step: int) -> bool:
@@ -243,18 +248,23 @@ class AsyncRollouts:
 
     def restored(self, step: int, buffer_stats: dict) -> None:
         """A checkpoint's batches are back in the buffer: the producer goes on after them."""
+        if buffer_stats["size"] and not buffer_stats["batches"]:
+            raise CheckpointError(
+                "it holds rows saved under trainer.mode sync/overlap, not async's whole batches: resume in that mode"
+            )
         with self.cond:
             self.removed = step
             self.produced = step + buffer_stats["batches"]
             self.dropped = 0
 
-    def close(self) -> None:
-        """Stop the producer; the batch in flight is finished first (its actors stay usable)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the producer; the batch in flight is finished first (its actors stay usable), or,
+        with a `timeout` (a failing run), waited for that long at most (the thread is a daemon)."""
         with self.cond:
             self.closing = True
             self.cond.notify_all()
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(timeout)
 
     def metrics(self) -> dict[str, float]:
         return {"staleness/dropped_batches": float(self.dropped), "perf/queued_batches": float(self.queued_when_taken)}

@@ -14,6 +14,7 @@ controller waits (`settle`) only when it next uses the workers' results or check
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -104,10 +105,15 @@ def readmitted(load, sync) -> None:
         raise
 
 
-def send_through_object_store(p: PolicyActors, version: int, sent: InFlight, timeout: float, from_learners) -> None:
+def send_through_object_store(
+    p: PolicyActors, version: int, sent: InFlight, timeout: float, from_learners, asynchronous: bool = False
+) -> None:
     """Rank 0's weights and their checksums into the object store, every worker loading them
-    (awaited later, through `sent`); a policy larger than one bucket goes in buckets, awaited now."""
+    (awaited later, through `sent`); a policy larger than one bucket goes in buckets, awaited now,
+    or under async (`asynchronous`) all of them to each worker in one unawaited call."""
     if p.buckets is not None and len(p.buckets) > 1:
+        if asynchronous:
+            return send_buckets_in_one_call(p, version, sent)
         return send_in_buckets(p, version, timeout, from_learners)
     weights, digest = p.learners[0].weights_and_digest.options(num_returns=2).remote()
     sent.gathered += [l.weights.remote() for l in p.learners[1:]]  # ZeRO-3: every rank joins the gather
@@ -133,6 +139,23 @@ def send_in_buckets(p: PolicyActors, version: int, timeout: float, from_learners
         sent.wait(timeout, from_learners)
         refs.append(part)
         digests.append(checksums)
+    p.weights_ref, p.weights_digest = refs, digests
+
+
+def send_buckets_in_one_call(p: PolicyActors, version: int, sent: InFlight) -> None:
+    """Under trainer.mode async: every bucket of rank 0's weights into the object store, then one
+    load call per worker with all of them (fetched and loaded a bucket at a time inside the call),
+    not awaited. One call, so no generation runs between two buckets on half-new weights; the cost
+    is a full copy in the object store per version in flight, not one bucket."""
+    refs, digests = [], []
+    for names in p.buckets:
+        part, checksums = p.learners[0].weights_bucket.options(num_returns=2).remote(names)
+        sent.gathered += [l.weights_bucket.remote(names) for l in p.learners[1:]]  # ZeRO-3: every rank gathers
+        refs.append(part)
+        digests.append(checksums)
+    for w in p.workers:
+        load = lambda w=w: w.load_weights.remote(version, refs, digests)  # noqa: E731
+        sent.add(load(), load)
     p.weights_ref, p.weights_digest = refs, digests
 
 
@@ -169,6 +192,7 @@ class ObjectStoreSync:
     ):
         self.policies, self.timeout, self.from_learners = policies, timeout, from_learners
         self.version, self.in_flight, self.asynchronous = 0, [], asynchronous
+        self.lock = threading.Lock()
         self.sends_with_step = not bucket_policies(policies, bucket_mb, from_learners)
 
     def train_slot(self, policy: str, version: int) -> None:
@@ -177,10 +201,11 @@ class ObjectStoreSync:
     def send(self, version: int, training: dict[str, list] | None = None) -> None:
         self.settle(finished_only=self.asynchronous)
         sent = InFlight(version, every_rank(self.policies))
-        for p in self.policies.values():
-            send_through_object_store(p, version, sent, self.timeout, self.from_learners)
-        self.in_flight.append(sent)
-        self.version = version
+        with self.lock:  # a readmit from the async producer reads the version and its weights together
+            for p in self.policies.values():
+                send_through_object_store(p, version, sent, self.timeout, self.from_learners, self.asynchronous)
+            self.in_flight.append(sent)
+            self.version = version
 
     def settle(self, finished_only: bool = False) -> None:
         """Wait for the syncs in flight, oldest first (`finished_only`: just those already answered)."""
@@ -189,7 +214,9 @@ class ObjectStoreSync:
 
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]
-        readmitted(worker.load_weights.remote(self.version, p.weights_ref, p.weights_digest), self)
+        with self.lock:
+            version, weights, digest = self.version, p.weights_ref, p.weights_digest
+        readmitted(worker.load_weights.remote(version, weights, digest), self)
 
     def weights_ref(self, policy: str):
         return self.policies[policy].weights_ref

@@ -129,6 +129,7 @@ def test_partial_rollouts_keep_n_samples_per_request_in_order(one_torch_thread):
     gens = generate_in_chunks(lambda asked: {"p": backend.generate(asked["p"])}, {"p": requests}, 4)["p"]
     assert [g.request_index for g in gens] == [0, 0, 0, 1, 1, 1]
     assert [g.prompt_ids for g in gens] == [[5, 6, 7]] * 3 + [[9, 3]] * 3
+    assert any(len(g.response_ids) > 4 for g in gens)  # some were resumed past the first chunk
     for g in gens:
         assert 1 <= len(g.response_ids) <= 9 and len(g.logprobs) == len(g.token_versions) == len(g.response_ids)
         assert g.finish_reason == ("stop" if g.response_ids[-1] == 1 else "length")

@@ -177,8 +177,11 @@ def test_buffer_batches_come_out_whole_oldest_first_and_a_stale_one_is_dropped_w
     assert dropped == 0 and table.column("uid").to_pylist() == ["u0", "u1", "u2", "u3"]
     buf.set_policy_version(3)  # the second batch (version 1) is now 2 behind
     table, dropped = buf.take_batch()
-    assert table.num_rows == 0 and dropped == 1
+    assert table is None and dropped == 1
     assert buf.stats() == {"size": 0, "batches": 0, "dropped_stale": 3, "dropped_batches": 1, "version": 3}
+
+    with pytest.raises(ValueError, match="a rollout batch of 0 rows"):
+        buf.put_batch(make_experience([]))
 
     again = ExperienceBuffer(max_staleness=1)
     assert again.load(tmp_path / "b.parquet") == 7 and again.batches() == 2

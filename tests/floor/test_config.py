@@ -80,12 +80,33 @@ def test_overlapped_rollout_needs_an_algorithm_and_buffer_that_allow_it(extra, m
         ([], "set buffer.max_staleness >= 1"),
         (["buffer.max_staleness=2", "trainer.weight_sync=broadcast"], r"'trainer.weight_sync'=broadcast: trainer"),
         (["buffer.max_staleness=2", "trainer.weight_sync=shared_memory"], r"\(allowed: auto, object_store\)$"),
+        (
+            ["buffer.max_staleness=2", "trainer.deterministic=true", "trainer.staleness_policy=drop"],
+            "it takes trainer.staleness_policy=wait, not drop",
+        ),
+        (
+            ["buffer.max_staleness=2", "learner.lora.rank=4", "learner.zero_stage=3"],
+            "with learner.lora under learner.zero_stage=3",
+        ),
     ],
 )
 def test_async_mode_needs_stale_rows_a_bound_and_a_sync_that_does_not_wait_on_the_workers(extra, message):
     with pytest.raises(ConfigError, match=message):
         build_algorithm(load_config(QUICKSTART, ["trainer.mode=async", *extra]))
     assert build_algorithm(load_config(QUICKSTART, ["trainer.mode=async", "buffer.max_staleness=2"]))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["trainer.deterministic=true"], r"^config error: 'trainer.deterministic' applies to trainer.mode=async only"),
+        (["trainer.staleness_policy=drop"], r"'trainer.staleness_policy' applies to trainer.mode=async only"),
+        (["rollout.inflight_update=resume"], r"'rollout.inflight_update'=resume: weights change during a generation"),
+    ],
+)
+def test_the_async_keys_are_refused_outside_async(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_algorithm(load_config(QUICKSTART, extra))
 
 
 def test_a_renamed_key_names_its_successor():

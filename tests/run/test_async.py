@@ -120,6 +120,18 @@ def test_a_failing_rollout_reaches_the_learner_and_pause_waits_for_the_batch_in_
     rollouts.close()
 
 
+def test_a_checkpoint_of_one_mode_is_not_resumed_in_the_other(ray_cluster):
+    from rlsys.checkpoint import CheckpointError
+
+    _, rollouts = producer(ray_cluster, 1, "wait", steps=4)
+    with pytest.raises(CheckpointError, match="rows saved under trainer.mode sync/overlap"):
+        rollouts.restored(2, {"size": 8, "batches": 0})
+    rollouts.restored(2, {"size": 8, "batches": 2})
+    assert (rollouts.produced, rollouts.removed) == (4, 2)
+    with pytest.raises(CheckpointError, match="2 batches made ahead under trainer.mode=async"):
+        rollouts.source.restored(2, {"size": 8, "batches": 2})
+
+
 def test_an_async_run_keeps_every_row_within_the_bound_and_checkpoints_its_queued_batches(ray_cluster, tmp_path):
     from rlsys.run.controller import Controller
 
