@@ -65,15 +65,23 @@ class RewardWorker:
             self.row_metrics.update(zip(table.column("uid").to_pylist(), (o.metrics for o in outcomes)))
             while len(self.row_metrics) > ROW_METRICS_KEPT:
                 self.row_metrics.popitem(last=False)
-            return [o.reward for o in outcomes]
+            rewards = [o.reward for o in outcomes]
+            correct = [r >= 1.0 for r in rewards]  # a reward function's >= 1 is a correct answer
+        else:
+            rewards = [float(self.task.reward(meta, text)) for meta, text in zip(metas, texts)]
+            correct = [self.task.is_correct(meta, text) for meta, text in zip(metas, texts)]
         if getattr(self.task, "shaping", None):  # task.shaping (envs/rewards.py): token lengths and ids
-            ids = table.column("response_ids").to_pylist()
-            shaped = [self.task.shaped_reward(meta, text, r) for meta, text, r in zip(metas, texts, ids)]
-            self.shaped_tokens.update(zip(table.column("uid").to_pylist(), (s.token_rewards for s in shaped)))
-            while len(self.shaped_tokens) > ROW_METRICS_KEPT:
-                self.shaped_tokens.popitem(last=False)
-            return [float(s.reward) for s in shaped]
-        return [float(self.task.reward(meta, text)) for meta, text in zip(metas, texts)]
+            return self._shaped(table, rewards, correct)
+        return rewards
+
+    def _shaped(self, table: pa.Table, rewards: list[float], correct: list[bool]) -> list[float]:
+        """`task.shaping` applied to the rows' rewards; the per-token form kept for `take_token_rewards`."""
+        ids = table.column("response_ids").to_pylist()
+        shaped = [self.task.shaping.apply(r, ok, i) for r, ok, i in zip(rewards, correct, ids)]
+        self.shaped_tokens.update(zip(table.column("uid").to_pylist(), (s.token_rewards for s in shaped)))
+        while len(self.shaped_tokens) > ROW_METRICS_KEPT:
+            self.shaped_tokens.popitem(last=False)
+        return [float(s.reward) for s in shaped]
 
     def take_metrics(self) -> dict[str, float]:
         """The scorer's metrics since the last call ({} for the task's own reward or a reward model)."""

@@ -194,7 +194,7 @@ def plot(curves: dict[tuple[str, int], list[dict]], path: Path, pass_k: int) -> 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/reasoning.yaml")
-    p.add_argument("--methods", nargs="+", default=list(METHODS))
+    p.add_argument("--methods", nargs="*", default=list(METHODS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--samples", type=int, default=12800, help="training samples per run (rows trained on)")
     p.add_argument("--eval-every", type=int, default=3200, help="training samples between held-out evaluations")

@@ -442,8 +442,6 @@ def check_function(spec: FunctionSpec) -> None:
 def build_scorer(reward_cfg, task=None, sandbox_cfg=None) -> RewardScorer | None:
     """The scorer of `reward.source: http` or of `reward.function`; None for the task's own rule
     reward (and for a reward model or a judge)."""
-    from rlsys.config import ConfigError  # pydantic: the worker processes import this module without it
-
     if reward_cfg.source == "http":
         runner, label = (
             HttpRunner(reward_cfg.url, reward_cfg.timeout_s, reward_cfg.retries),
@@ -458,8 +456,4 @@ def build_scorer(reward_cfg, task=None, sandbox_cfg=None) -> RewardScorer | None
         runner, label = FunctionRunner(spec, reward_cfg.workers, timeout), f"reward function '{spec.label}'"
     else:
         return None
-    if getattr(task, "shaping", None):
-        raise ConfigError(
-            f"config error: 'task.shaping' shapes the task's own reward, not the {label}'s: remove task.shaping"
-        )
     return RewardScorer(runner, label, reward_cfg.on_error, reward_cfg.max_error_rate, reward_cfg.error_window)

@@ -25,7 +25,8 @@ whole response.
 
 `with_shaping(task, entries)` (called by `envs.registry.make_task`) returns the task wrapped
 so that its `shaping` attribute is the built `RewardShaping`; the reward actor applies it
-with the responses' token ids. The task's own `reward`/`is_correct` are unchanged, so
+with the responses' token ids, to the task's own reward or a reward function's (`reward.function`;
+"correct" is then a reward >= 1). The task's own `reward`/`is_correct` are unchanged, so
 held-out accuracy still measures correctness.
 """
 
@@ -237,11 +238,6 @@ class ShapedTask:
         if name in ("task", "shaping") or name.startswith("__"):  # unpickling: not set yet
             raise AttributeError(name)
         return getattr(self.task, name)
-
-    def shaped_reward(self, row: dict, response_text: str, response_ids: Sequence[int]) -> ShapedReward:
-        return self.shaping.apply(
-            self.task.reward(row, response_text), self.task.is_correct(row, response_text), response_ids
-        )
 
 
 def with_shaping(task, entries: Sequence[Any] | None):

@@ -979,8 +979,8 @@ CROSS_SECTION_RULES = (
     "not with drop; inflight updates: `rollout.backend: hf`); async with `learner.lora` needs `zero_stage` < 3.",
     "An algorithm that trains several policies (cdg with `algorithm.models` other than `shared`) needs "
     "`rollout.backend: hf` and a `trainer.weight_sync` other than `broadcast`.",
-    "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward, not a reward model's or a "
-    "judge's score.",
+    "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward or a `reward.function`'s (a "
+    "reward >= 1 counts as correct), not a reward model's, a judge's or a reward server's score.",
     "`learner.lora.rank > 0` with `rollout.backend: vllm` needs a `trainer.weight_sync` other than `broadcast`: the "
     "engine serves the adapters as a LoRA request read from a directory, not loaded in place.",
     "`env.name` (multi-turn episodes) needs an algorithm whose rollout plays them ({episodes}), no `task.shaping` "

@@ -153,10 +153,12 @@ def test_killed_rollout_worker_is_restarted_and_every_prompt_counted_once(ray_cl
     assert ray_cluster.get(worker.pid.remote()) != pid
 
 
-def test_object_store_sync_in_buckets_gives_every_worker_the_learners_weights(ray_cluster, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_object_store_sync_in_buckets_gives_every_worker_the_learners_weights(ray_cluster, tmp_path, mode):
     """trainer.sync_bucket_mb below the policy's size: the sync goes bucket by bucket (awaited,
-    not sent with the step), the workers end with the learner's bytes, and a worker restarted
-    afterwards catches up from the kept buckets one at a time."""
+    not sent with the step; under async, all buckets in one unawaited call per worker), the workers
+    end with the learner's bytes, and a worker restarted afterwards catches up from the kept buckets
+    one at a time."""
     import os
     import signal
 
@@ -170,7 +172,8 @@ def test_object_store_sync_in_buckets_gives_every_worker_the_learners_weights(ra
     cfg = load_config(
         "configs/quickstart.yaml",
         [*TINY, f"run.output_dir={tmp_path}", "run.name=buckets"]
-        + ["trainer.weight_sync=object_store", "trainer.sync_bucket_mb=0.02"],
+        + ["trainer.weight_sync=object_store", "trainer.sync_bucket_mb=0.02", f"trainer.mode={mode}"]
+        + (["buffer.max_staleness=1"] if mode == "async" else []),
     )
     c = Controller(cfg, tmp_path / "buckets", progress=False)
     c.start_actors(c.prepare_policy())
@@ -188,6 +191,7 @@ def test_object_store_sync_in_buckets_gives_every_worker_the_learners_weights(ra
     worker_digest = lambda w: get(w.__ray_call__.remote(lambda self: digest(state_dict_numpy(self.backend.model))))  # noqa: E731
     assert worker_digest(c.workers[0]) != learner_digest
     c.sync_weights(1)
+    c.ctx.settle_sync()  # under async the send did not wait
     assert isinstance(p.weights_ref, list) and len(p.weights_ref) == len(p.buckets)
     assert all(worker_digest(w) == learner_digest for w in c.workers)
     assert get([w.policy_version.remote() for w in c.workers]) == [1, 1]

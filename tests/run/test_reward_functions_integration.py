@@ -82,6 +82,21 @@ def test_the_reward_worker_scores_through_a_scorer_and_hands_on_its_metrics(tmp_
         scorer.close()
     assert RewardWorker(str(tmp_path / "policy"), task=Task()).take_metrics() == {}  # the task's own reward
 
+    # task.shaping on a reward function's rewards: correct is a reward >= 1
+    from envs.rewards import cosine_length_reward, with_shaping
+
+    scorer = RewardScorer(FunctionRunner(FunctionSpec.parse(f"{grader(tmp_path)}:prompted"), 1), "prompted")
+    shaped = RewardWorker(
+        str(tmp_path / "policy"), task=with_shaping(Task(), [{"cosine_length": {"max_length": 64}}]), scorer=scorer
+    )
+    try:
+        lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+        expected = [cosine_length_reward(lengths[0], True, 64), cosine_length_reward(lengths[1], False, 64)]
+        assert shaped.score(table) == pytest.approx(expected)
+        assert [sum(t) for t in shaped.take_token_rewards(["3", "4"])] == pytest.approx(expected)
+    finally:
+        scorer.close()
+
 
 def test_rlsys_run_checks_the_reward_function_before_ray_or_the_warm_up(tmp_path, capsys, monkeypatch):
     import rlsys.cluster
