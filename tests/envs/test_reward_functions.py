@@ -86,6 +86,24 @@ def test_math_non_equivalences(answer, response):
     assert math_reward("", response, {"answer": answer}) == 0.0
 
 
+@pytest.mark.parametrize(
+    "gold,predicted",
+    [
+        ("123456789", "123456788"),
+        ("1000000000001", "1000000000000"),
+        ("12", "012"),
+        ("-0", "0"),
+        ("-7", "7"),
+        ("42", "42"),
+        ("99999999999999999999", "99999999999999999998"),
+    ],
+)
+def test_math_integers_take_a_fast_path_with_math_verifys_verdict(gold, predicted):
+    from envs.reward_functions import math_equal, math_verify_equal
+
+    assert math_equal(gold, predicted) == math_verify_equal(gold, predicted)
+
+
 def test_math_final_answer_extraction():
     assert final_answer("a \\boxed{1} then \\boxed{\\frac{2}{3}}") == "\\frac{2}{3}"  # the last box, braces balanced
     assert final_answer("\\boxed{\\text{a {b} c}} tail 9") == "\\text{a {b} c}"
