@@ -55,7 +55,7 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?(?:\s*\\?%)?|(?<![\w.])-?\.\d+")
 
 
-_INTEGER = re.compile(r"-?\d+")
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def last_boxed(text: str) -> str | None:
