@@ -1,15 +1,17 @@
 """Speed of rlsys's hot paths, each side by side with its plain baseline in the same run,
-on the quickstart's model and task. Prints one markdown table of ratios.
+on the quickstart's model and task or at the reasoning task's shape. Prints one markdown table of ratios.
 
-    .venv/bin/python benchmarks/perf.py            # 7 timed repeats per figure
-    .venv/bin/python benchmarks/perf.py --quick    # 3 repeats, shorter SFT and TRL runs
+    .venv/bin/python benchmarks/perf.py                      # 7 timed repeats per figure
+    .venv/bin/python benchmarks/perf.py --quick              # 3 repeats, shorter SFT and TRL runs
+    .venv/bin/python benchmarks/perf.py --shape reasoning    # configs/reasoning.yaml: ~100-token responses
 
 Figures: rollout tokens/s (rlsys's HF backend vs plain `model.generate` sampling the same
 distribution: every row for all its tokens, and rows ending at eos at different lengths), learner step
 (DeepSpeed Learner.train_step vs plain torch fwd+bwd+AdamW, same GRPO clipped loss),
 weight sync (learner -> shared memory or object store -> rollout worker vs raw ray.put + ray.get), 1 vs 2
 rollout workers, cost growth with batch and response length (generate + train), and,
-when `trl` is installed, end-to-end GRPO samples/s against TRL's GRPOTrainer.
+when `trl` is installed, end-to-end GRPO samples/s against TRL's GRPOTrainer; and the learner's
+achieved FLOP/s against the machine's fp32 matmul peak measured in the same command.
 
 The policy is built as the controller's `prepare_policy` builds it (tokenizer trained on
 the task, tiny Qwen2 from configs/quickstart.yaml) but without the SFT warm-up
@@ -18,7 +20,9 @@ max_new_tokens` (every row runs every step: batch x new tokens); the random-init
 samples eos in a few rows, which rlsys stops, so rlsys is counted by the tokens it produced
 (counting it as batch x new too would favour it by a few percent).
 Every timing is the median of interleaved repeats after one warm-up each; torch uses one
-thread in the driver and in every actor.
+thread in the driver and in every actor, except TRL, which runs with the threads torch gives it by
+default (all cores), and rlsys's end-to-end run without overlap, which gives generation (a worker
+per core) and training (a thread per core) every core in turn.
 """
 
 from __future__ import annotations
@@ -28,13 +32,49 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 sys.path.insert(0, str(ROOT))
 
 from rlsys.cluster import init_ray  # noqa: E402  (before anything imports ray)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A workload's sizes: its config, the rollout and learner figures' response length, and the
+    end-to-end run's."""
+
+    config: str
+    new: int  # tokens a response in the rollout, learner and growth figures
+    e2e_prompts: int
+    e2e_group: int
+    e2e_new: int
+    sft_steps: int  # the end-to-end run's warm-up (--quick: a third)
+    figures: tuple[str, ...]  # what runs without --only
+
+
+SHAPES = {
+    "quickstart": Shape(
+        config=str(ROOT / "configs" / "quickstart.yaml"),
+        new=64,
+        e2e_prompts=16,
+        e2e_group=4,
+        e2e_new=32,
+        sft_steps=800,
+        figures=("rollout", "reference", "reward", "learner", "flops", "ray", "growth", "e2e"),
+    ),
+    "reasoning": Shape(
+        config=str(ROOT / "configs" / "reasoning.yaml"),
+        new=128,
+        e2e_prompts=16,
+        e2e_group=8,
+        e2e_new=128,
+        sft_steps=1000,
+        figures=("rollout", "learner", "flops", "e2e"),
+    ),
+}
 
 
 def timed(fn, reps: int) -> float:
@@ -74,6 +114,36 @@ def train_batch(algorithm, gens):
     return algorithm.prepare(make_experience(rows))
 
 
+def whole_machine(cores: int) -> list[str]:
+    """rlsys's end-to-end run without overlap on every core: generation and training take turns, so
+    each gets them all (a rollout worker per core, one thread each; the learner on `cores` threads)."""
+    return [f"rollout.num_workers={cores}", "rollout.threads_per_worker=1", f"learner.threads={cores}"]
+
+
+def rule_reward(cfg, task):
+    """(row, response text) -> the run's rule reward: `reward.function` (a built-in such as `math`,
+    or the user's) where the config names one, else the task's own."""
+    if not cfg.reward.function:
+        return task.reward
+    from envs.reward_functions import load_function
+    from envs.reward_runner import function_spec
+
+    fn = load_function(function_spec(cfg.reward, task, cfg.sandbox))
+    return lambda row, text: float(fn("", text, row))
+
+
+def matmul_peak_flops(threads: int, n: int = 1024, reps: int = 20) -> float:
+    """The fp32 matmul FLOP/s of this machine on `threads` torch threads: n x n @ n x n, the fastest
+    of `reps` runs after a warm-up (a peak: what the cores reach at best)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    fastest = min(timed(lambda: a @ b, 1) for _ in range(reps))
+    return 2 * n**3 / fastest
+
+
 def paired(a, b, reps: int) -> tuple[float, float]:
     """Medians of two callables timed in alternation (drift on a shared machine hits both)."""
     a(), b()
@@ -87,24 +157,24 @@ def paired(a, b, reps: int) -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self, reps: int):
+    def __init__(self, reps: int, shape: Shape):
         import torch
 
         from rlsys.config import load_config
+        from rlsys.prompts import prompt_ids
         from rlsys.run.controller import Controller
 
+        self.default_threads = torch.get_num_threads()  # what a library left alone runs with (TRL)
         torch.set_num_threads(1)
-        self.reps = reps
+        self.reps, self.shape = reps, shape
         out = Path(tempfile.mkdtemp(prefix="rlsys-bench-perf-"))
         self.cfg = load_config(
-            QUICKSTART, [f"run.output_dir={out}", "run.name=perf", "sft.steps=0", "algorithm.kl_coef=0"]
+            shape.config, [f"run.output_dir={out}", "run.name=perf", "sft.steps=0", "algorithm.kl_coef=0"]
         )
         self.controller = Controller(self.cfg, out / "perf", progress=False)
         self.policy_dir = str(self.controller.prepare_policy())
         self.task, self.tok = self.controller.task, self.controller.tokenizer
-        self.prompts = [
-            self.tok(self.task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.task.rows("train")
-        ]
+        self.prompts = [prompt_ids(self.task, self.tok, r)[0] for r in self.task.rows("train")]
         self.rows: list[tuple[str, str, str, str, str]] = []
 
     def add(self, figure: str, rlsys: str, baseline: str, ratio: float, goal: str) -> None:
@@ -402,8 +472,36 @@ class Bench:
             t_ours / t_plain,
             "<= 1.15x",
         )
-        self.in_process_learner = learner
+        self.in_process_learner, self.learner_batch, self.plain_learner_step = learner, batch, plain
         return learner
+
+    def flops(self):
+        """The learner's achieved FLOP/s (its step's matmul and attention FLOPs, forward and
+        backward, counted by torch's FlopCounterMode, over the step's time) against the fp32 matmul
+        peak of the same threads, on one thread and on every core; the plain torch step beside it."""
+        import torch
+        from torch.utils.flop_counter import FlopCounterMode
+
+        learner, batch, plain = self.in_process_learner, self.learner_batch, self.plain_learner_step
+        counted = {}
+        for name, step in (("rlsys", lambda: learner.train_step(batch)), ("plain", plain)):
+            with FlopCounterMode(display=False) as counter:
+                step()
+            counted[name] = counter.get_total_flops()
+        for threads in sorted({1, self.default_threads}):
+            peak = matmul_peak_flops(threads)
+            t_ours, t_plain = paired(lambda: learner.train_step(batch), plain, self.reps)
+            ours, theirs = counted["rlsys"] / t_ours, counted["plain"] / t_plain
+            self.add(
+                f"learner GFLOP/s on {threads} thread(s) vs the fp32 matmul peak of {threads} (batch {len(batch)} x "
+                f"{batch.input_ids.shape[1]} tokens, {counted['rlsys'] / 1e9:.1f} GFLOP a step; plain torch "
+                f"{theirs / 1e9:.0f} GFLOP/s, {theirs / peak:.2f} of the peak)",
+                f"{ours / 1e9:.0f}",
+                f"{peak / 1e9:.0f}",
+                ours / peak,
+                ">= 0.5",
+            )
+        torch.set_num_threads(1)
 
     # ---- 3. weight sync, 4. scaling (Ray actors) --------------------------------------
     def weight_sync(self, learner, worker) -> dict:
@@ -576,13 +674,15 @@ class Bench:
             )
 
     # ---- 6. end to end against TRL ---------------------------------------------------
-    def end_to_end(self, steps: int, sft_steps: int, prompts: int = 16, group: int = 4, new: int = 32) -> str:
+    def end_to_end(self, steps: int, sft_steps: int) -> str:
         """GRPO samples/s: rlsys's Controller (Ray actors, as `rlsys run`) vs TRL's GRPOTrainer
-        (in-process, CPU, no vllm, fp32, torch on 1 thread as each rlsys actor), from the same
-        SFT-warmed policy with the same prompts, reward, G, max length, lr and its schedule,
-        clipping, no KL term in either (TRL's default beta=0). The two alternate step by step;
-        samples/s is the median step's, the first step of each left out. Reward after the same
-        samples: the mean train reward, and each final policy's greedy held-out accuracy.
+        (in-process, CPU, no vllm, fp32, torch on the threads it gets by default: every core), from
+        the same SFT-warmed policy with the same prompts, reward, G, max length, lr and its schedule,
+        clipping, no KL term in either (TRL's default beta=0). rlsys without overlap gives every
+        core to generation and to training in turn (`whole_machine`); with overlap (both busy at
+        once) its one rollout worker and its learner have a thread each. The runs alternate step
+        by step; samples/s is the median step's, the first step of each left out. Reward after the
+        same samples: the mean train reward, and each final policy's greedy held-out accuracy.
         Returns rlsys's per-phase split of the timed steps."""
         import ray
         import torch
@@ -593,9 +693,15 @@ class Bench:
         from actors.modeling import state_dict_numpy
         from rlsys.config import load_config
         from rlsys.models import load_model
+        from rlsys.prompts import prompt_ids
         from rlsys.run.controller import Controller
 
-        torch.set_num_threads(1)  # as each rlsys actor (an earlier figure's libraries may have changed it)
+        prompts, group, new, whole = (
+            self.shape.e2e_prompts,
+            self.shape.e2e_group,
+            self.shape.e2e_new,
+            self.default_threads,
+        )
         run_dir = self.controller.run_dir.parent / "e2e"
         common = [
             f"run.output_dir={run_dir.parent}",
@@ -607,14 +713,21 @@ class Bench:
             f"trainer.steps={steps}",
         ]  # the lr schedule's length (TRL's: max_steps)
         c = Controller(
-            load_config(QUICKSTART, [*common, "run.name=e2e", f"sft.steps={sft_steps}"]), run_dir, progress=False
+            load_config(
+                self.shape.config,
+                [*common, "run.name=e2e", f"sft.steps={sft_steps}", *whole_machine(whole)],
+            ),
+            run_dir,
+            progress=False,
         )
+        torch.set_num_threads(whole)  # the warm-up (not timed) on every core
         policy_dir = c.prepare_policy()
+        torch.set_num_threads(1)  # the driver: rlsys's controller thread
         c.start_actors(policy_dir)
         # the same policy, generating step t+1's rows while the learner trains on step t's
         over = Controller(
             load_config(
-                QUICKSTART,
+                self.shape.config,
                 [
                     *common,
                     "run.name=e2e-overlap",
@@ -633,11 +746,6 @@ class Bench:
         ours, overlapped, theirs, rewards, over_rewards, phases, lengths, threads = [], [], [], [], [], {}, [], set()
 
         class Interleave(TrainerCallback):  # one step of each rlsys run after each TRL step: drift hits all alike
-            def on_train_begin(
-                self, *a, **k
-            ):  # accelerate may have set 2 threads (DeepSpeed's env from an earlier figure)
-                torch.set_num_threads(1)
-
             def on_step_begin(self, *a, **k):
                 self.t = time.perf_counter()
 
@@ -662,12 +770,11 @@ class Bench:
 
         task, tok = c.task, c.tokenizer
         tok.padding_side = "left"
-        data = Dataset.from_list(
-            [{"prompt": task.prompt_text(r), "answer": str(r["answer"])} for r in task.rows("train")]
-        )
-        reward = lambda prompts, completions, answer, **_: [
-            task.reward({"answer": a}, x) for x, a in zip(completions, answer)
-        ]
+        rows = task.rows("train")
+        # the prompt text rlsys gives the model (the chat template applied), which TRL tokenizes again
+        data = Dataset.from_list([{"prompt": prompt_ids(task, tok, r)[1], "row": i} for i, r in enumerate(rows)])
+        score = rule_reward(c.cfg, task)
+        reward = lambda prompts, completions, row, **_: [score(rows[i], x) for x, i in zip(completions, row)]
         args = GRPOConfig(
             output_dir=str(run_dir / "trl"),
             use_cpu=True,
@@ -703,7 +810,9 @@ class Bench:
             callbacks=[Interleave()],
         )
         trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
+        torch.set_num_threads(whole)  # TRL's default (an earlier figure set the driver to one thread)
         trainer.train()
+        torch.set_num_threads(1)
         # "equal or better reward after the same number of samples": each run's final policy,
         # greedy on the held-out split, through the same rollout worker (TRL's weights loaded into it)
         accuracy = {"rlsys": c.evaluate(greedy=True)["accuracy"], "overlap": over.evaluate(greedy=True)["accuracy"]}
@@ -722,7 +831,8 @@ class Bench:
         )
         self.add(
             f"end-to-end GRPO samples/s vs TRL GRPOTrainer (G={group}, {prompts} prompts/step, <= {new} new, "
-            f"{sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
+            f"mean response {statistics.mean(lengths):.0f} vs {statistics.mean(trl_length):.0f} tokens, "
+            f"{whole} cores each, {sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
             f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f}; held-out greedy accuracy after "
             f"the run {accuracy['rlsys']:.3f} vs {accuracy['trl']:.3f}, from {start_accuracy:.3f})",
             f"{ours_sps:.1f}",
@@ -731,13 +841,14 @@ class Bench:
             ">= 1.5x",
         )
         self.add(
-            f"end-to-end, trainer.mode=overlap (next step's rollout during training; mean train reward "
+            f"end-to-end, trainer.mode=overlap (next step's rollout during training, 1 thread per actor; "
+            f"mean train reward "
             f"{statistics.mean(over_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f}; held-out greedy accuracy "
             f"{accuracy['overlap']:.3f} vs {accuracy['trl']:.3f})",
             f"{over_sps:.1f}",
             f"{theirs_sps:.1f}",
             over_sps / theirs_sps,
-            ">= 1.5x",
+            ">= 2x",
         )
         total = sum(ours)
         return "rlsys end-to-end step split: " + ", ".join(
@@ -749,32 +860,37 @@ class Bench:
         return "\n".join(lines + [f"| {' | '.join(r)} |" for r in self.rows])
 
 
-FIGURES = ("rollout", "reference", "reward", "learner", "ray", "growth", "e2e")
+FIGURES = ("rollout", "reference", "reward", "learner", "flops", "ray", "growth", "e2e")
 
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 repeats per figure instead of 7, shorter end-to-end runs")
-    ap.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="quickstart", help="the workload's config and sizes")
+    ap.add_argument("--only", help=f"comma-separated subset of {','.join(FIGURES)} (default: the shape's figures)")
     args = ap.parse_args(argv)
-    only = set(args.only.split(","))
+    shape = SHAPES[args.shape]
+    only = set(args.only.split(",")) if args.only else set(shape.figures)
     if only - set(FIGURES):
         ap.error(f"--only: unknown figures {sorted(only - set(FIGURES))} (choose from {', '.join(FIGURES)})")
     init_ray(num_cpus=8)  # logical: the e2e figure runs two controllers' actors side by side
-    bench = Bench(reps=3 if args.quick else 7)
+    bench = Bench(reps=3 if args.quick else 7, shape=shape)
     t0 = time.perf_counter()
-    if only & {"rollout", "reference", "reward", "learner", "growth"}:
-        worker = bench.rollout()
+    if only & {"rollout", "reference", "reward", "learner", "flops", "growth"}:
+        worker = bench.rollout(new=shape.new)
     if "rollout" in only:
-        bench.rollout_variable_length()
-        for architecture in ("qwen3", "phi3", "gemma"):
-            bench.rollout_architecture(architecture)
+        bench.rollout_variable_length(new=shape.new, stop_rate=2 / shape.new)
+        if args.shape == "quickstart":
+            for architecture in ("qwen3", "phi3", "gemma"):
+                bench.rollout_architecture(architecture)
     if "reference" in only:
         bench.reference()
     if "reward" in only:
         bench.reward()
-    if only & {"learner", "growth"}:
-        bench.learner(worker.generate(bench.requests(32, 64)))
+    if only & {"learner", "flops", "growth"}:
+        bench.learner(worker.generate(bench.requests(32, shape.new)))
+    if "flops" in only:
+        bench.flops()
     if "ray" in only:
         bench.ray_figures()
     if "growth" in only:
@@ -787,7 +903,8 @@ def main(argv: list[str]) -> None:
     if "e2e" not in only:
         note = ""
     elif not note:
-        note = "\n" + bench.end_to_end(steps=4 if args.quick else 30, sft_steps=300 if args.quick else 800)
+        sft = shape.sft_steps // 3 if args.quick else shape.sft_steps
+        note = "\n" + bench.end_to_end(steps=4 if args.quick else 30, sft_steps=sft)
     print(f"\nbenchmarks/perf.py {' '.join(argv)} ({time.perf_counter() - t0:.0f} s); ratio = rlsys / baseline\n")
     print(bench.table())
     print(note)
