@@ -14,7 +14,7 @@ when `trl` is installed, end-to-end GRPO samples/s against TRL's GRPOTrainer; an
 achieved FLOP/s against the machine's fp32 matmul peak measured in the same command.
 
 The policy is built as the controller's `prepare_policy` builds it (tokenizer trained on
-the task, tiny Qwen2 from configs/quickstart.yaml) but without the SFT warm-up
+the task, the tiny Qwen2 of the shape's config) but without the SFT warm-up
 (`sft.steps=0`). In the first rollout figure the plain baseline is told `min_new_tokens =
 max_new_tokens` (every row runs every step: batch x new tokens); the random-init policy
 samples eos in a few rows, which rlsys stops, so rlsys is counted by the tokens it produced
