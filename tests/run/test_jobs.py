@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -129,18 +130,11 @@ def cli(env, *args, timeout=300):
 
 @pytest.mark.integration
 def test_submit_follow_and_stop(head_node, tmp_path):
+    """Two jobs side by side: one submitted with Ray's own CLI runs to the end, and rlsys's
+    status and logs follow it by its id; one submitted with `rlsys submit` has an evaluator
+    attached by job id and is stopped."""
     address, env = head_node
-    job = cli(
-        env,
-        "submit",
-        "configs/quickstart.yaml",
-        *TINY,
-        "run.name=job_a",
-        f"run.output_dir={tmp_path}",
-        "--address",
-        address,
-    ).splitlines()[-1]
-    second = cli(
+    long = cli(
         env,
         "submit",
         "configs/quickstart.yaml",
@@ -178,34 +172,31 @@ def test_submit_follow_and_stop(head_node, tmp_path):
     # an evaluator attached by job id (the run dir comes from the job's metadata) reports on the live job
     deadline = time.time() + 300
     while not (tmp_path / "job_b" / "cluster.json").exists():
-        assert time.time() < deadline and cli(env, "status", second, "--address", address) in ("PENDING", "RUNNING")
+        assert time.time() < deadline and cli(env, "status", long, "--address", address) in ("PENDING", "RUNNING")
         time.sleep(1)
     assert "attached evaluator by_id" in cli(
-        env, "eval", "attach", second, "--address", address, "--name", "by_id", "--limit", "4"
+        env, "eval", "attach", long, "--address", address, "--name", "by_id", "--limit", "4"
     )
-    assert "by_id" in cli(env, "eval", "list", second, "--address", address)
+    assert "by_id" in cli(env, "eval", "list", long, "--address", address)
     evals = tmp_path / "job_b" / "evals.jsonl"
     while not (evals.exists() and any(json.loads(l)["evaluator"] == "by_id" for l in evals.read_text().splitlines())):
         assert time.time() < deadline, "no row from the evaluator attached by job id"
         time.sleep(1)
     row = next(json.loads(l) for l in evals.read_text().splitlines() if json.loads(l)["evaluator"] == "by_id")
     assert row["n"] == 4 and row["policy_version"] == row["step"] >= 1
-    assert cli(env, "stop", second, "--address", address) == "stopped"
-    deadline = time.time() + 600
-    while (state := cli(env, "status", job, "--address", address)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
-        assert time.time() < deadline
-        time.sleep(2)
-    logs = cli(env, "logs", job, "--address", address)
-    assert state == "SUCCEEDED", logs[-3000:]
-    assert "finished 2 steps" in logs
-    rows = [json.loads(l) for l in (tmp_path / "job_a" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    while (s2 := cli(env, "status", second, "--address", address)) not in ("STOPPED", "FAILED", "SUCCEEDED"):
-        time.sleep(1)
-    assert s2 == "STOPPED"
+    assert cli(env, "stop", long, "--address", address) == "stopped"
+
     out, _ = ray_cli.communicate(timeout=600)
     assert "finished 2 steps" in out, out[-3000:]
+    job = re.search(r"Job '(\S+)' submitted successfully", out)[1]
+    assert cli(env, "status", job, "--address", address) == "SUCCEEDED"
+    assert "finished 2 steps" in cli(env, "logs", job, "--address", address)
     assert [json.loads(l)["step"] for l in (tmp_path / "job_c" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    deadline = time.time() + 600
+    while (state := cli(env, "status", long, "--address", address)) not in ("STOPPED", "FAILED", "SUCCEEDED"):
+        assert time.time() < deadline
+        time.sleep(1)
+    assert state == "STOPPED"
 
 
 @pytest.mark.integration

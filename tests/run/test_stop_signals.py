@@ -19,8 +19,8 @@ pytestmark = pytest.mark.integration
 LONG = [*TINY_JOB, "trainer.eval_every=0", "rollout.max_new_tokens=4", "trainer.steps=200"]
 
 
-def start_and_wait_for_steps(tmp_path, name: str, steps: int, *extra):
-    run = rlsys(
+def start(tmp_path, name: str, *extra):
+    return rlsys(
         "run",
         "configs/quickstart.yaml",
         *LONG,
@@ -29,16 +29,19 @@ def start_and_wait_for_steps(tmp_path, name: str, steps: int, *extra):
         *extra,
         "--no-progress",
     )
+
+
+def wait_for_steps(run, run_dir, steps: int):
     deadline = time.monotonic() + 300
-    while len(read_jsonl(tmp_path / name / "metrics.jsonl")) < steps:
+    while len(read_jsonl(run_dir / "metrics.jsonl")) < steps:
         assert run.poll() is None, run.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the run did not reach its steps"
         time.sleep(0.2)
-    return run
 
 
 def test_sigterm_checkpoints_the_step_in_flight_and_resume_goes_on(tmp_path):
-    run = start_and_wait_for_steps(tmp_path, "preempted", 2)
+    run = start(tmp_path, "preempted")
+    wait_for_steps(run, tmp_path / "preempted", 2)
     os.kill(run.pid, signal.SIGTERM)
     _, err = run.communicate(timeout=300)
     assert run.returncode == 143, err[-3000:]
@@ -61,15 +64,17 @@ def test_sigterm_checkpoints_the_step_in_flight_and_resume_goes_on(tmp_path):
 
 
 def test_ctrl_c_stops_after_the_step_without_a_checkpoint_unless_asked(tmp_path):
-    run = start_and_wait_for_steps(tmp_path, "interrupted", 1)
-    os.killpg(run.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
-    _, err = run.communicate(timeout=300)
-    assert run.returncode == 130, err[-3000:]
+    interrupted = start(tmp_path, "interrupted")
+    asked = start(tmp_path, "asked", "trainer.checkpoint_on_interrupt=true")  # side by side: half the wait
+    wait_for_steps(interrupted, tmp_path / "interrupted", 1)
+    os.killpg(interrupted.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    _, err = interrupted.communicate(timeout=300)
+    assert interrupted.returncode == 130, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(r"rlsys: stopped by SIGINT after step \d+; no checkpoint \(.*\)", last), last
     assert not (tmp_path / "interrupted" / "checkpoints").exists()
 
-    asked = start_and_wait_for_steps(tmp_path, "asked", 1, "trainer.checkpoint_on_interrupt=true")
+    wait_for_steps(asked, tmp_path / "asked", 1)
     os.killpg(asked.pid, signal.SIGINT)
     _, err = asked.communicate(timeout=300)
     assert asked.returncode == 130 and "; checkpoint " in err.strip().splitlines()[-1], err[-3000:]
