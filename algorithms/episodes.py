@@ -24,7 +24,9 @@ Side by side: the episodes of a call run at once. Each generation call batches t
 are waiting for the policy; env resets and steps run in a thread pool, so a slow step (a tool,
 the sandbox) holds up only its own episode: after a generation call the rollout waits at most
 `gather_s` for the env steps in flight (to batch the fast ones), then generates for those ready,
-the slow ones joining a later call.
+the slow ones joining a later call. With `lockstep` (`env.lockstep`) every call waits for all the
+steps in flight instead: the episodes advance turn by turn, and which share a call no longer
+depends on timing. A call's requests are in episode order either way.
 
 Rewards: an episode's per-turn rewards are its env steps' rewards. An env that leaves the final
 answer to the run (`info["answer"]` in its last step: ToolEnv here) has it graded with the run's
@@ -46,8 +48,9 @@ Checkpoints: a step's episodes start and finish inside its rollout; checkpoints 
 between steps, so no episode is in flight at one and no env state is saved (an interrupted
 step's episodes are played again from the start on resume, as its single-turn samples are).
 
-Reruns: which episodes share a generation call follows the env steps' timing, so a rerun of a
-multi-turn run may batch (and so sample) differently; single-turn runs are unaffected.
+Reruns: without lockstep, which episodes share a generation call follows the env steps' timing,
+so a rerun may batch (and so sample) differently; with it, a rerun of the same config and seed
+plays the same episodes bit for bit (given envs that answer the same text the same way).
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class EpisodeSettings:
     """How a run plays its episodes (`ctx.episodes`): `make_env()` a fresh env per episode,
     `encoder` the chat template as token ids (its end-of-turn token stops each policy turn),
     `tool_schemas` the template's `tools=`, the bounds `max_turns` and `max_tokens`, `threads`
-    env steps at once and `gather_s` (see the module's docstring)."""
+    env steps at once, `gather_s` and `lockstep` (see the module's docstring)."""
 
     make_env: Callable[[], Any]
     encoder: ChatEncoder
@@ -86,6 +89,7 @@ class EpisodeSettings:
     tool_schemas: list[dict] | None = None
     threads: int = MAX_THREADS
     gather_s: float = GATHER_S
+    lockstep: bool = False
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -213,14 +217,18 @@ def play_episodes(ctx: RolloutContext, prompts: Sequence[Prompt], n: int, params
     if not episodes:
         return []
     tokenizer, calls = settings.encoder.tokenizer, 0
+    order = {id(e): i for i, e in enumerate(episodes)}
     with ThreadPoolExecutor(max_workers=min(len(episodes), settings.threads)) as pool:
         pending: dict[Future, tuple[Episode, str]] = {
             pool.submit(e.env.reset, e.prompt.meta): (e, "reset") for e in episodes
         }
         while pending:
-            done, _ = wait(pending, timeout=settings.gather_s)  # all of them, or those done by then
-            if not done:  # every episode is in its env: wait for the first back
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            if settings.lockstep:
+                done, _ = wait(pending)
+            else:
+                done, _ = wait(pending, timeout=settings.gather_s)  # all of them, or those done by then
+                if not done:  # every episode is in its env: wait for the first back
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
             ready = []
             for future in done:
                 episode, what = pending.pop(future)
@@ -232,6 +240,7 @@ def play_episodes(ctx: RolloutContext, prompts: Sequence[Prompt], n: int, params
                     ready.append(episode)
             if not ready:
                 continue
+            ready.sort(key=lambda e: order[id(e)])
             seeded = params if params.seed is None else dataclasses.replace(params, seed=call_seed(params, calls))
             requests = [GenerationRequest(list(e.conversation.ids), turn_params(seeded, e, settings)) for e in ready]
             calls += 1

@@ -646,6 +646,13 @@ class EnvConfig(Section):
         "what is left (and rollout.max_new_tokens), and an observation that does not fit ends the episode; null: "
         "the model's context length",
     )
+    lockstep: bool = Field(
+        False,
+        description="play a batch's episodes turn by turn: each generation call waits for every env step in "
+        "flight, so a rerun with the same config and seed samples the same episodes bit for bit; false: a call "
+        "goes on with the episodes whose steps are back (a slow tool holds up only its own episode), and which "
+        "episodes share a call follows the steps' timing",
+    )
     timeout_s: float = Field(
         10.0, gt=0, le=600, description="env.name=tools: the most one tool call may take, in seconds (status timeout)"
     )

@@ -129,7 +129,12 @@ class Controller:
         episodes = None  # how env.name's episodes are played: checked before any actor starts
         if self.envs is not None:
             episodes = EpisodeSettings.for_tokenizer(
-                self.tokenizer, self.envs.make, cfg.env.max_turns, self._episode_tokens(), self.envs.tool_schemas
+                self.tokenizer,
+                self.envs.make,
+                cfg.env.max_turns,
+                self._episode_tokens(),
+                self.envs.tool_schemas,
+                lockstep=cfg.env.lockstep,
             )
         teacher_dir = (
             self.algorithm.teacher_dir(self.run_dir, self.task, self.tokenizer, cfg.run.seed)

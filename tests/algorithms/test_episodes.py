@@ -230,6 +230,27 @@ def test_a_slow_env_step_does_not_hold_up_the_other_episodes(setup):
         ctx.close()
 
 
+def test_lockstep_plays_turn_by_turn_and_a_slow_step_changes_no_token(setup):
+    """env.lockstep: every generation call waits for all the steps in flight, so the calls are one
+    per turn with every episode in order, and which episode is slow (timing) changes no sampled id."""
+    task = setup[0]
+    played = []
+    for slow in (0, 2):
+        ctx = LocalContext(setup, lambda: EchoEnv(task), max_turns=3)
+        ctx.episodes = dataclasses.replace(ctx.episodes, lockstep=True)
+        try:
+            rows = [{**r, "done_at": 3, "slow": i == slow} for i, r in enumerate(rows_with(setup, 4))]
+            prompts = prompts_of(setup, rows)
+            episodes = play_episodes(ctx, prompts, 1, ctx.sampling(seed=7))
+            assert [len(call) for _, call in ctx.calls] == [4, 4, 4]
+            for _, call in ctx.calls:  # episode order: each call's k-th request extends episode k's prompt
+                assert all(ids[: len(p.prompt_ids)] == list(p.prompt_ids) for (ids, _), p in zip(call, prompts))
+            played.append([list(e.conversation.ids) for e in episodes])
+        finally:
+            ctx.close()
+    assert played[0] == played[1]
+
+
 def test_tool_episodes_append_tool_results_count_calls_and_grade_the_answer_with_the_run_reward(setup):
     task, tokenizer, _, cfg = setup
     tools = load_tools(["calculator"])

@@ -4,6 +4,7 @@ calculator, whose turns follow the row's demonstration whatever the (untrained) 
 every episode is a tool call, its result and a graded answer."""
 
 import os
+import random
 import time
 
 from envs.tool_env import ToolEnv
@@ -34,4 +35,14 @@ class LoggedSlowCalculatorEnv(ScriptedCalculatorEnv):
 
     def step(self, text):
         time.sleep(0.2)
+        return super().step(text)
+
+
+class JitteryCalculatorEnv(ScriptedCalculatorEnv):
+    """ScriptedCalculatorEnv whose steps take a random 0-100 ms (unseeded: different in every run),
+    around the rollout's gather window: without env.lockstep, which episodes share a generation
+    call would change from run to run."""
+
+    def step(self, text):
+        time.sleep(random.uniform(0.0, 0.1))
         return super().step(text)
