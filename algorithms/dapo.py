@@ -24,6 +24,9 @@ For G responses o_1..o_G to a prompt q with answer a and rewards R_1..R_G (the p
                   = -1                                   L_max < |y|
   times `overlong_penalty`, added to the task reward before the advantages. The paper's budget is
   16384 + 4096 tokens of cache: L_cache is a fifth of L_max, the default 0.2 here.
+- Multi-turn episodes (env.name; PlaysEpisodes): the groups are a prompt's episodes, filtered on
+  their returns; L_max is the budget of one policy turn, so an episode's length penalty is that
+  of its longest policy turn (|y| read off the loss mask's runs), the environment's tokens aside.
 - No KL penalty (section 2.3: "the model distribution can diverge significantly from the initial
   model, thus this restriction is not necessary"); kl_coef > 0 adds GRPO's k3 term.
 
@@ -53,6 +56,7 @@ from rlsys.batch import TrainBatch
 from rlsys.contract import (
     Algorithm,
     ModelOutputs,
+    PlaysEpisodes,
     ReportsPrepareMetrics,
     SkipsRowsWithoutGradient,
     TrainsOnStaleRows,
@@ -106,6 +110,19 @@ def overlong_penalty(lengths, max_tokens: int, buffer_tokens: int, penalty: floa
     return penalty * np.maximum(r, -1.0)
 
 
+def policy_turn_lengths(loss_mask) -> list[int]:
+    """The lengths of the runs of 1 in a response's loss mask: its policy turns (one for a
+    single-turn response, whose mask is all 1)."""
+    lengths, run = [], 0
+    for m in loss_mask:
+        if m:
+            run += 1
+        elif run:
+            lengths.append(run)
+            run = 0
+    return lengths + [run] if run else lengths
+
+
 def groups_with_signal(rewards, groups) -> np.ndarray:
     """bool per row: its group's rewards are not all equal (0 < right answers < G)."""
     rewards, ids = np.asarray(rewards, dtype=np.float64), group_ids(groups)
@@ -131,7 +148,9 @@ def count_groups(table: pa.Table) -> int:
 
 
 @register("dapo")
-class DAPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs):
+class DAPO(
+    Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs, PlaysEpisodes
+):
     Config = DAPOConfig
     needs_value_head = False
 
@@ -150,7 +169,7 @@ class DAPO(Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnS
                 missing, rounds = len(prompts) - count_groups(kept), rounds + 1
             table = kept if kept.num_rows else table  # no group with signal at all: the step's rows (A = 0)
         max_tokens = ctx.sampling().max_new_tokens
-        lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+        lengths = [max(policy_turn_lengths(m), default=0) for m in table.column("loss_mask").to_pylist()]
         penalty = overlong_penalty(lengths, max_tokens, round(c.overlong_buffer_frac * max_tokens), c.overlong_penalty)
         table = table.append_column("overlong_penalty", pa.array(penalty, type=pa.float32()))
         return table.append_column("sampling_rounds", pa.array([rounds] * table.num_rows, type=pa.int32()))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from algorithms.base import get_algorithm
-from algorithms.dapo import DAPO, DAPOConfig, groups_with_signal, overlong_penalty
+from algorithms.dapo import DAPO, DAPOConfig, groups_with_signal, overlong_penalty, policy_turn_lengths
 from rlsys.batch import TrainBatch
 from rlsys.contract import (
     ModelOutputs,
@@ -28,6 +28,12 @@ def test_overlong_penalty_is_the_papers_piecewise_linear_length_reward():
     assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0, -1.0])
     assert overlong_penalty([9, 10], 10, 4, penalty=0.5).tolist() == pytest.approx([-0.375, -0.5])
     assert overlong_penalty([10], 10, 0).tolist() == [0.0]  # no buffer: no penalty
+
+
+def test_policy_turn_lengths_are_the_runs_of_the_loss_mask():
+    assert policy_turn_lengths([1, 1, 1]) == [3]  # a single-turn response
+    assert policy_turn_lengths([1, 1, 0, 0, 0, 1, 1, 1, 1, 0, 1]) == [2, 4, 1]  # turns around observations
+    assert policy_turn_lengths([0, 0]) == [] and policy_turn_lengths([]) == []
 
 
 def test_groups_with_signal_are_those_with_unequal_rewards():

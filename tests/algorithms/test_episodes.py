@@ -116,6 +116,16 @@ class LocalContext:
         self.seed += 1
         return self.seed
 
+    def more_prompts(self, n):
+        """The next n training rows after those handed out so far (DAPO's refill), as prompts."""
+        rows = self.task.rows("train")
+        self.handed_out = getattr(self, "handed_out", 0) + n
+        picked = [rows[i % len(rows)] for i in range(self.handed_out - n, self.handed_out)]
+        return [
+            Prompt(f"more{self.handed_out - n + i}", *prompt_ids(self.task, self.tokenizer, r), r)
+            for i, r in enumerate(picked)
+        ]
+
     def generate(self, requests):
         gens = self.backend.generate(requests)
         self.calls.append((time.monotonic(), [(list(r.prompt_ids), g) for r, g in zip(requests, gens)]))
@@ -123,6 +133,12 @@ class LocalContext:
 
     def score(self, table):
         return self.reward.score(table)
+
+    def token_rewards(self, table):
+        return None  # no task.shaping with episodes
+
+    def values(self, table):
+        return [[0.0] * len(r) for r in table.column("response_ids").to_pylist()]  # a value head's estimates: 0 here
 
     def ref_logprobs(self, table):
         return self.reference.logprobs(table)
@@ -425,25 +441,41 @@ def test_demonstration_columns_may_hold_messages_that_open_with_the_assistant(tm
 # ---- every algorithm that plays episodes prepares their rows on the policy's tokens only -----
 def test_the_algorithms_that_play_episodes_train_on_the_policy_tokens_only(setup):
     from algorithms.base import available, get_algorithm, set_token_column
+    from algorithms.dapo import overlong_penalty, policy_turn_lengths
     from rlsys.contract import PlaysEpisodes
 
     task = setup[0]
     ctx = LocalContext(setup, lambda: EchoEnv(task), max_turns=3)
+    names = [n for n in available() if issubclass(get_algorithm(n), PlaysEpisodes)]
+    assert {"grpo", "ppo", "rloo", "dapo"} <= set(names)
+    tables = {}
     try:
-        rows = rows_with(setup, 2, done_at=None)
-        table = sample_episodes(ctx, prompts_of(setup, rows), 2, with_ref=True)
+        prompts = prompts_of(setup, rows_with(setup, 2, done_at=None))
+        table = sample_episodes(ctx, prompts, 2, with_ref=True)
+        for name in names:  # each algorithm's own rollout (its columns: DAPO's length penalty, ...) over episodes
+            cls = get_algorithm(name)
+            tables[name] = cls(cls.Config(group_size=2)).rollout(ctx, prompts)
     finally:
         ctx.close()
-    # distinct returns within each group, so group-relative advantages are not all zero
-    table = table.set_column(table.schema.get_field_index("reward"), "reward", [[0.6, 0.1, 0.3, 0.9]])
-    names = [n for n in available() if issubclass(get_algorithm(n), PlaysEpisodes)]
-    assert {"grpo", "ppo", "rloo"} <= set(names)
-    values = [[0.0] * len(r) for r in table.column("response_ids").to_pylist()]  # a value head's estimates: 0 here
     for name in names:
         cls = get_algorithm(name)
-        batch = cls(cls.Config(group_size=2)).prepare(set_token_column(table, "values", values))
+        played = tables[name]
+        assert played.num_rows == 4 and all(json.loads(m)["turns"] == 3 for m in played.column("meta").to_pylist())
+        # distinct returns within each group, so group-relative advantages are not all zero
+        played = played.set_column(played.schema.get_field_index("reward"), "reward", [[0.6, 0.1, 0.3, 0.9]])
+        values = [[0.0] * len(r) for r in played.column("response_ids").to_pylist()]  # a value head's: 0 here
+        batch = cls(cls.Config(group_size=2)).prepare(set_token_column(played, "values", values))
         assert bool((batch.advantages[batch.response_mask == 0] == 0).all()), name  # none on the env's tokens
         assert bool((batch.advantages[batch.response_mask.bool()] != 0).any()), name
+    # DAPO's length penalty reads the longest policy turn (8 tokens at most here), not the episode's length
+    dapo = tables["dapo"]
+    turn_cap = ctx.max_new_tokens
+    for penalty, mask in zip(dapo.column("overlong_penalty").to_pylist(), dapo.column("loss_mask").to_pylist()):
+        longest = max(policy_turn_lengths(mask))
+        assert longest <= turn_cap < len(mask)
+        assert penalty == pytest.approx(float(overlong_penalty([longest], turn_cap, round(0.2 * turn_cap))[0]))
+    values = [[0.0] * len(r) for r in table.column("response_ids").to_pylist()]
+    table = table.set_column(table.schema.get_field_index("reward"), "reward", [[0.6, 0.1, 0.3, 0.9]])
     # PPO's GAE reads each turn's reward on its last token: without KL, values or discount, a token's
     # advantage is the rewards of its turn and the turns after it (0.1 + 0.2 + 0.3, 0.2 + 0.3, 0.3)
     ppo = get_algorithm("ppo")
