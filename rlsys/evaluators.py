@@ -9,6 +9,11 @@ is handed the newest synced weights ref and the step, without waiting; results a
 collected at later boundaries and logged to evals.jsonl / TensorBoard `eval/<name>/...`
 with the policy version they were computed on.
 
+In a multi-turn run (`env.name`) an evaluator plays the run's episodes (`EvalEpisodes`: its env
+section and token budget; its own env instances and, for the python tool, its own one-worker
+sandbox pool): `n` episodes per prompt, each final answer (or, for an env that grades itself, its
+last turn) scored by the spec's metric, with the episodes' `episode/*` and `tools/*` rates beside.
+
 No `import ray` at module level: the CLI sets Ray's auth environment first.
 """
 
@@ -18,8 +23,9 @@ import importlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -163,15 +169,37 @@ class EvalRegistry:
             self.specs.setdefault(spec["name"], spec)
 
 
-class EvaluatorWorker:
-    """One evaluator: its own policy copy (hf backend), the prompts, the metric."""
+@dataclass(frozen=True)
+class EvalEpisodes:
+    """How an evaluator plays a multi-turn run's episodes in its own process: the run's `env`
+    section (rlsys.config.EnvConfig), the episode token budget the run uses, and its `sandbox`
+    section (rlsys.config.SandboxConfig) when a tool runs code (None otherwise)."""
 
-    def __init__(self, policy_dir: str, spec: dict, task, max_new_tokens: int):
+    env: Any
+    max_tokens: int
+    sandbox: Any = None
+
+
+class EvaluatorWorker:
+    """One evaluator: its own policy copy (hf backend), the prompts (the run's: `prompt_ids`), the
+    metric, in a multi-turn run the episodes' settings (`episodes`), and `run_reward`: the run's
+    reward worker when it scores with a reward function or server (what `accuracy` then counts)."""
+
+    def __init__(
+        self,
+        policy_dir: str,
+        spec: dict,
+        task,
+        max_new_tokens: int,
+        episodes: EvalEpisodes | None = None,
+        run_reward=None,
+    ):
         import torch
 
         from actors.rollout import RolloutWorker  # actor code (torch): only the evaluator worker loads it
         from envs.datasets import read_rows  # task data (pyarrow): only the worker reads rows
         from rlsys.models import load_tokenizer  # torch: as above
+        from rlsys.prompts import prompt_ids
 
         torch.set_num_threads(1)
         self.spec, self.task = EvaluatorSpec.model_validate(spec), task
@@ -180,9 +208,10 @@ class EvaluatorWorker:
         s = self.spec
         rows = read_rows(s.dataset, required=("prompt", "answer")) if s.dataset else task.rows(s.split)
         self.rows = rows[: s.limit]
-        self.prompt_ids = [
-            self.tokenizer(task.prompt_text(r), add_special_tokens=False)["input_ids"] for r in self.rows
-        ]
+        self.prompt_ids = [prompt_ids(task, self.tokenizer, r)[0] for r in self.rows]  # as the run's prompts
+        self.sandbox, self.episodes, self.run_reward = None, None, run_reward
+        if episodes is not None:
+            self.episodes = self._episode_settings(episodes)
         self.score = (
             task.is_correct
             if s.metric == "accuracy"
@@ -200,6 +229,40 @@ class EvaluatorWorker:
             self.judge = JudgeWorker(s.judge, options={"seed": s.seed})
         self.max_new_tokens = s.max_new_tokens or max_new_tokens
 
+    def _episode_settings(self, episodes: EvalEpisodes):
+        """The run's episodes over this worker's own envs (and sandbox pool, made at the first run)."""
+        from algorithms.episodes import EpisodeSettings  # actor code: only the evaluator worker loads it
+        from envs.registry import make_env_factory
+        from sandbox.types import Limits
+
+        box = episodes.sandbox
+        limits = (
+            Limits(wall_time_s=box.wall_time_s, cpu_time_s=box.cpu_time_s, memory_mb=box.memory_mb) if box else None
+        )
+        factory = make_env_factory(episodes.env, self.task, run=self._run_sandboxed, limits=limits)
+        self.sandbox_backend = box.backend if box else None
+        env = episodes.env
+        return EpisodeSettings.for_tokenizer(
+            self.tokenizer,
+            factory.make,
+            env.max_turns,
+            episodes.max_tokens,
+            factory.tool_schemas,
+            lockstep=env.lockstep,
+        )
+
+    def _run_sandboxed(self, requests):
+        """The python tool's runs, in this evaluator's own one-worker sandbox pool."""
+        if self.sandbox is None:
+            from sandbox.pool import SandboxPool  # actor code: only an evaluator whose env runs code
+
+            self.sandbox = SandboxPool(self.sandbox_backend, workers=1)
+        return self.sandbox.run_many(list(requests))
+
+    def generate(self, requests):
+        """The policy's generations (what the multi-turn rollout asks of its context)."""
+        return self.worker.generate(requests)
+
     def evaluate(self, version: int, weights) -> dict:
         import numpy as np
 
@@ -213,19 +276,71 @@ class EvaluatorWorker:
             seed=s.seed,
             stop_token_ids=(self.tokenizer.eos_token_id,),
         )
-        gens = self.worker.generate([GenerationRequest(p, params) for p in self.prompt_ids])
-        texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+        episodes = None
+        if self.episodes is not None:
+            episodes, row_index, texts, env_correct = self._play(params)
+        else:
+            gens = self.worker.generate([GenerationRequest(p, params) for p in self.prompt_ids])
+            row_index = [g.request_index for g in gens]
+            texts = self.tokenizer.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
+            env_correct = [None] * len(texts)
         if s.metric in MODEL_METRICS:
-            return {
-                "policy_version": self.worker.version,
-                "metrics": self.model_metric([g.request_index for g in gens], texts),
-            }
-        scores = np.array([float(self.score(self.rows[g.request_index], t)) for g, t in zip(gens, texts)])
-        out = {s.metric_key: float(scores.mean()), "n": float(len(self.rows))}
-        if s.n > 1:  # a prompt passes when any of its n samples scores 1
-            passed = {g.request_index for g, x in zip(gens, scores) if x >= 1.0}
-            out[f"pass@{s.n}"] = len(passed) / len(self.rows)
+            out = self.model_metric(row_index, texts)
+        else:
+            scores, out = self._scores(row_index, texts)
+            scores = np.array([x if graded is None else float(graded) for x, graded in zip(scores, env_correct)])
+            out = {s.metric_key: float(scores.mean()), **out, "n": float(len(self.rows))}
+            if s.n > 1:  # a prompt passes when any of its n samples scores 1
+                passed = {i for i, x in zip(row_index, scores) if x >= 1.0}
+                out[f"pass@{s.n}"] = len(passed) / len(self.rows)
+            for e, x in zip(episodes or [], scores):  # the episodes' correct share follows the metric
+                e.correct = x >= 1.0
+        if episodes is not None:
+            from algorithms.episodes import summary_metrics  # actor code: only the evaluator worker loads it
+
+            out |= summary_metrics([e.summary() for e in episodes])
         return {"policy_version": self.worker.version, "metrics": out}
+
+    def _scores(self, row_index: list[int], texts: list[str]):
+        """(score per response, extra metrics) by the spec's metric: `accuracy` is the run's reward
+        >= 1 where the run scores with a reward function or server (its reward worker's held-out
+        rewards, their mean beside), as the run's own held-out evaluation counts it, else the task's
+        `is_correct`; a metric function's value otherwise."""
+        import numpy as np
+
+        rows = [self.rows[i] for i in row_index]
+        if self.spec.metric == "accuracy" and self.run_reward is not None:
+            call = self.run_reward.heldout_rewards
+            if hasattr(call, "remote"):  # the run's reward actor (in-process: the worker itself)
+                import ray
+
+                rewards = np.asarray(ray.get(call.remote(texts, rows)), dtype=np.float64)
+            else:
+                rewards = np.asarray(call(texts, rows), dtype=np.float64)
+            return (rewards >= 1.0).astype(np.float64), {"reward": float(rewards.mean())}
+        return np.array([float(self.score(r, t)) for r, t in zip(rows, texts)]), {}
+
+    def _play(self, params: SamplingParams) -> tuple[list, list[int], list[str], list]:
+        """n episodes per prompt: (the episodes, the row of each, the text its metric scores: the
+        final answer, or the last policy turn where the env grades itself, and the env's verdict
+        there: None where the metric decides)."""
+        from algorithms.episodes import play_episodes  # actor code: only the evaluator worker loads it
+        from rlsys.contract import Prompt
+
+        prompts = [
+            Prompt(f"{self.spec.name}-{i}", ids, "", r) for i, (ids, r) in enumerate(zip(self.prompt_ids, self.rows))
+        ]
+        episodes = play_episodes(self, prompts, self.spec.n, params)
+        texts, env_correct = [], []
+        for e in episodes:
+            if isinstance(e.answer, str):
+                texts.append(e.answer)
+                env_correct.append(None)
+            else:
+                start, end = e.conversation.policy_turns[-1]
+                texts.append(self.tokenizer.decode(e.conversation.ids[start:end], skip_special_tokens=True))
+                env_correct.append(None if e.correct is None else bool(e.correct))
+        return episodes, [i for i in range(len(prompts)) for _ in range(self.spec.n)], texts, env_correct
 
     def model_metric(self, row_index: list[int], texts: list[str]) -> dict:
         """Mean reward-model score, or mean pointwise judge score in [0, 1] over the parsable
@@ -297,11 +412,22 @@ class AttachedEvaluators:
         self.active: dict[str, tuple[dict, object]] = {}  # name -> (spec, worker actor)
         self.pending: list[tuple[str, int, object]] = []  # (name, step, future)
 
-    def start(self, policy_dir: Path, task, max_new_tokens: int, restored: list[dict] = ()) -> None:
-        """Once the policy and task exist; `restored`: the specs of the checkpoint resumed from."""
+    def start(
+        self,
+        policy_dir: Path,
+        task,
+        max_new_tokens: int,
+        restored: list[dict] = (),
+        episodes: EvalEpisodes | None = None,
+        run_reward=None,
+    ) -> None:
+        """Once the policy and task exist; `restored`: the specs of the checkpoint resumed from;
+        `episodes`: a multi-turn run's, which its evaluators play; `run_reward`: the run's reward
+        actor where it scores with a reward function or server (`accuracy` follows it)."""
         import ray
 
         self.policy_dir, self.task, self.max_new_tokens = str(policy_dir), task, max_new_tokens
+        self.episodes, self.run_reward = episodes, run_reward
         ray.get(self.registry.restore.remote(list(restored)))
 
     def specs(self) -> list[dict]:
@@ -321,7 +447,7 @@ class AttachedEvaluators:
                 actor = (
                     ray.remote(EvaluatorWorker)
                     .options(num_cpus=0.25, **self.pinned)
-                    .remote(self.policy_dir, spec, self.task, self.max_new_tokens)
+                    .remote(self.policy_dir, spec, self.task, self.max_new_tokens, self.episodes, self.run_reward)
                 )
                 self.active[name] = (spec, actor)
 

@@ -28,7 +28,7 @@ from rlsys.checkpoint import CheckpointError, candidates
 from rlsys.config import ConfigError, JobConfig, dump_config
 from rlsys.contract import Algorithm, EvaluatesItself, HasTeacher, HasWarmupTask, Prompt
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (re-exported for tests and users)
-from rlsys.evaluators import AttachedEvaluators, write_cluster_info
+from rlsys.evaluators import AttachedEvaluators, EvalEpisodes, write_cluster_info
 from rlsys.generation import GenerationRequest
 from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
 from rlsys.placement import placement_report, release_placement_groups, service_options
@@ -222,6 +222,13 @@ class Controller:
         """The python tool's runner: the run's sandbox pool, through the context (started with the actors)."""
         return self.ctx.execute(requests)
 
+    def evaluator_episodes(self) -> EvalEpisodes | None:
+        """What attached evaluators need to play this run's episodes (None: single-turn)."""
+        if self.envs is None:
+            return None
+        sandbox = self.cfg.sandbox if self.envs.uses_sandbox else None
+        return EvalEpisodes(self.cfg.env, self._episode_tokens(), sandbox)
+
     def _episode_tokens(self) -> int:
         """An episode's token budget: env.max_tokens, at most (and by default) the policy's context."""
         context = context_length(json.loads((self.policy_dir / "config.json").read_text()))
@@ -364,7 +371,14 @@ class Controller:
         try:
             self.start_actors(self.prepare_policy())
             first, last_eval, restored = self._begin(resume, tracker)
-            self.attached.start(self.policy_dir, self.task, cfg.rollout.max_new_tokens, restored)
+            self.attached.start(
+                self.policy_dir,
+                self.task,
+                cfg.rollout.max_new_tokens,
+                restored,
+                self.evaluator_episodes(),
+                self.reward if self.reward_has_scorer else None,
+            )
             bar = progress_bar(cfg.trainer.steps, cfg.algorithm.name, self.progress, initial=self.step)
             with StopSignals() as self.stop:  # SIGTERM, Ctrl-C: the loop stops at the next step boundary
                 last_eval = loop.train(self, tracker, bar, last_eval)

@@ -486,3 +486,38 @@ def test_the_algorithms_that_play_episodes_train_on_the_policy_tokens_only(setup
         advantages = batch.advantages[row][batch.response_mask[row].bool()].tolist()
         assert sorted(set(round(a, 5) for a in advantages)) == [0.3, 0.5, 0.6]
         assert advantages == sorted(advantages, reverse=True)  # turn by turn
+
+
+# ---- an evaluator attached to a multi-turn run plays its episodes ------------------------------
+def test_an_attached_evaluator_plays_the_runs_episodes_and_scores_their_final_answers(setup):
+    """EvaluatorWorker (the attached evaluator's actor class, in-process here) over the run's env:
+    the scripted calculator env plays each row's demonstration, so every episode is a tool call, its
+    result and the right answer. `accuracy` follows the run's reward (math on the \\boxed{} answer,
+    through the reward worker) as the run's held-out evaluation does; a metric function scores the
+    final answers itself."""
+    from actors.reward import RewardWorker
+    from envs.reward_runner import build_scorer
+    from rlsys.evaluators import EvalEpisodes, EvaluatorWorker
+
+    task, tokenizer, model_dir, cfg = setup
+    overrides = ["env.name=tests/run/scripted_envs.py:ScriptedCalculatorEnv", "env.tools=[]", "env.call_penalty={}"]
+    episodes = EvalEpisodes(load_config("configs/agent.yaml", overrides).env, 256)
+    reward = RewardWorker(str(model_dir), task=task, scorer=build_scorer(cfg.reward, task))
+    try:
+        spec = {"name": "agent", "split": "train", "limit": 4, "n": 2, "temperature": 1.0}
+        worker = EvaluatorWorker(str(model_dir), spec, task, 8, episodes, run_reward=reward)
+        rows = task.rows("train")[:4]
+        assert worker.prompt_ids == [prompt_ids(task, tokenizer, r)[0] for r in rows]  # the run's prompts
+        result = worker.evaluate(0, None)
+        m = result["metrics"]
+        assert result["policy_version"] == 0 and m["n"] == 4
+        assert m["accuracy"] == 1.0 == m["reward"] and m["pass@2"] == 1.0 and m["episode/correct"] == 1.0
+        assert m["episode/turns_mean"] == 2.0 and m["tools/ok"] == 8 and m["tools/well_formed_per_episode"] == 1.0
+        # a metric function scores the final answers: a wrong expected answer on every row scores 0
+        spec = {**spec, "name": "wrong", "n": 1, "metric": "rlsys.evaluators:first_char_match"}
+        worker = EvaluatorWorker(str(model_dir), spec, task, 8, episodes, run_reward=reward)
+        worker.rows = [{**r, "answer": "?"} for r in rows]
+        m = worker.evaluate(0, None)["metrics"]
+        assert m["first_char_match"] == 0.0 and m["episode/correct"] == 0.0 and m["episode/turns_mean"] == 2.0
+    finally:
+        reward.scorer.close()

@@ -79,6 +79,22 @@ def test_two_steps_over_multi_turn_episodes(ray_cluster, tmp_path, algorithm):
         assert r["n"] == 4 and r["accuracy"] == 1.0 == r["episode/correct"] and r["reward"] == 1.0
         assert r["tools/well_formed_per_episode"] == 1.0 and r["tools/malformed_share"] == 0.0
 
+    if algorithm == "grpo":  # an evaluator attached to the run plays its episodes in its own actor
+        from rlsys.evaluators import AttachedEvaluators, parse_spec
+
+        attached = AttachedEvaluators("episodes-evals")
+        spec = parse_spec({"name": "agent", "split": "eval"}).model_dump()  # what `rlsys eval attach` registers
+        run_reward = controller.reward if controller.reward_has_scorer else None
+        attached.start(controller.policy_dir, controller.task, 6, [spec], controller.evaluator_episodes(), run_reward)
+        try:
+            attached.poll(2, 2, lambda: controller.learners[0].weights.remote())  # the trained policy's
+            ((step, name, metrics, version),) = attached.drain(timeout=300)
+        finally:
+            attached.close()
+        assert (step, name, version) == (2, "agent", 2) and metrics["n"] == 4
+        assert metrics["accuracy"] == 1.0 == metrics["reward"] and metrics["episode/turns_mean"] == 2.0
+        assert metrics["tools/ok"] == 4
+
     # one more rollout on the live actors: the tool result outside the loss, the rewards per turn
     table = controller.algorithm.rollout(controller.ctx, controller.stream.next(2))
     tok = controller.tokenizer
