@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from envs.conversation import ChatEncoder, Conversation, end_of_turn_id
+from envs.conversation import ChatEncoder, Conversation, PlainEncoder, end_of_turn_id
 from envs.tools import METRIC_NAMES, STATUSES, ToolCounts
 from rlsys.contract import Prompt, RolloutContext
 from rlsys.experience import make_experience, meta_of, new_uid
@@ -83,7 +83,7 @@ class EpisodeSettings:
     env steps at once, `gather_s` and `lockstep` (see the module's docstring)."""
 
     make_env: Callable[[], Any]
-    encoder: ChatEncoder
+    encoder: ChatEncoder | PlainEncoder
     max_turns: int
     max_tokens: int
     tool_schemas: list[dict] | None = None
@@ -207,12 +207,19 @@ class Episode:
         return out
 
 
-def play_episodes(ctx: RolloutContext, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Episode]:
+def play_episodes(
+    ctx: RolloutContext,
+    prompts: Sequence[Prompt],
+    n: int,
+    params: SamplingParams,
+    settings: EpisodeSettings | None = None,
+) -> list[Episode]:
     """n episodes per prompt (prompt by prompt), played to the end side by side as the module's
     docstring says; each policy turn sampled with `params` (one sample per request; its
     `max_new_tokens` cut to what the episode's budget has left, stopped at the end of the turn; the
-    k-th generation call's seed is `params.seed + k * SEED_STRIDE`)."""
-    settings: EpisodeSettings = ctx.episodes
+    k-th generation call's seed is `params.seed + k * SEED_STRIDE`). `settings`: the run's
+    (`ctx.episodes`) unless an algorithm plays episodes of its own (RLEF's code dialogs)."""
+    settings = settings or ctx.episodes
     episodes = [Episode(p, settings.make_env()) for p in prompts for _ in range(n)]
     if not episodes:
         return []
@@ -312,8 +319,9 @@ def grade(ctx: RolloutContext, episodes: Sequence[Episode]) -> None:
         e.correct = float(score) >= 1.0
 
 
-def episode_rows(episodes: Sequence[Episode]) -> pa.Table:
-    """One Experience row per episode (see the module's docstring), episodes in order."""
+def episode_rows(episodes: Sequence[Episode], extra_meta: Callable[[Episode], dict] | None = None) -> pa.Table:
+    """One Experience row per episode (see the module's docstring), episodes in order;
+    `extra_meta(episode)`: more of the row's meta (an algorithm's own episode facts)."""
     rows = []
     for e in episodes:
         rows.append(
@@ -324,7 +332,7 @@ def episode_rows(episodes: Sequence[Episode]) -> pa.Table:
                 reward=float(sum(e.rewards)),
                 token_rewards=e.token_rewards(),
                 policy_version=min(e.versions),
-                meta={**e.prompt.meta, **e.summary()},
+                meta={**e.prompt.meta, **e.summary(), **(extra_meta(e) if extra_meta else {})},
             )
         )
     return make_experience(rows)

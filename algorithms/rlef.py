@@ -1,10 +1,13 @@
 """RLEF: multi-turn code RL with execution feedback (Gehring et al. 2024; ../shared/papers/rlef.md).
 
-Rollout: each prompt opens `samples_per_prompt` episodes of envs/code.py's CodeEpisode,
-played by `play_episodes`: turn by turn, every active episode's answer is generated, and all
-public-test runs of the turn go to the sandbox pool at once (`ctx.execute`); failed ones get
-the feedback as the next user turn; at the end all final codes run on the private tests at
-once. Held-out evaluation plays the same episodes, one per problem (`evaluate`: 1@3).
+Rollout: each prompt opens `samples_per_prompt` episodes of envs/code.py's CodeEnv, played
+by the common multi-turn rollout (algorithms/episodes.py `play_episodes`, side by side): each
+answer's public-test run goes to the run's sandbox pool (`ctx.execute`) from its episode's
+thread while the other episodes generate; a failed run's feedback is the next observation; the
+last answer's code runs on the private tests inside the episode's last step. The dialog has no
+chat template (`PlainEncoder`): problem, answer, feedback, answer, ... as the tokenizer reads
+them, each answer's ids exactly as sampled. Held-out evaluation plays the same episodes, one
+per problem (`evaluate`: 1@3).
 
 One experience row per episode: prompt = the problem, response = answer_1 + feedback_1 +
 answer_2 + ... with loss_mask 0 on the feedback (environment) tokens.
@@ -24,6 +27,7 @@ sampler's logprobs; pi_old is the learner's own recomputation before the update)
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -33,13 +37,14 @@ from pydantic import Field
 
 from algorithms.base import register, set_token_column
 from algorithms.common import clipped_policy_loss, clipped_value_loss, masked_mean, masked_whiten
-from envs.code import play_episodes
+from algorithms.episodes import Episode, EpisodeSettings, episode_rows, play_episodes
+from envs.code import CodeEnv
+from envs.conversation import PlainEncoder
 from rlsys.batch import TrainBatch, collate
 from rlsys.contract import Algorithm, AlgorithmConfig, EvaluatesItself, ModelOutputs, ReportsPrepareMetrics
-from rlsys.experience import make_experience, meta_of, new_uid
-from rlsys.generation import GenerationRequest
+from rlsys.experience import meta_of
 
-LEARNER_LOGPROBS = pa.schema([("learner_logprobs", pa.list_(pa.float32()))])
+NO_BUDGET = 2**31 - 1  # an episode's token budget: answers are bounded by max_new_tokens, feedback by feedback_chars
 
 
 class RLEFConfig(AlgorithmConfig):
@@ -104,49 +109,25 @@ def spread_over_turns(per_turn: Sequence[float], spans: Sequence[tuple[int, int]
     return out
 
 
+def code_episode_meta(episode: Episode) -> dict:
+    """What RLEF's rows keep of a played code episode besides the common summary: each answer's
+    and each feedback's length in tokens (from the row's policy turns), whether the public and
+    private tests passed, the answers without parsable code, the sandbox runs made."""
+    conv, code = episode.conversation, episode.env.episode
+    turns = conv.policy_turns
+    return {
+        "answer_lengths": [end - start for start, end in turns],
+        "feedback_lengths": [nxt[0] - end for (_, end), nxt in zip(turns, turns[1:])],
+        "public_passed": code.public_passed,
+        "private_passed": code.private_passed,
+        "no_code_turns": sum(x is None for x in code.programs),
+        "sandbox_runs": sum(x is not None for x in code.programs) + (code.programs[-1] is not None),
+    }
+
+
 def capped_importance_weight(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor) -> torch.Tensor:
     """min(1, pi_old / mu) per token (no gradient)."""
     return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=1.0).detach()
-
-
-class TokenTurns:
-    """`play_episodes`' answer callback at the token level. Each active episode's next answer
-    is generated from its prompt ids plus every answer and feedback token so far (the last
-    turn's feedback is tokenised as the next turn starts); per episode it records the response
-    ids, the sampler's logprobs and the loss mask (0 on feedback tokens). `params()`: the
-    turn's SamplingParams."""
-
-    def __init__(self, ctx, prompts, episodes, params):
-        self.ctx, self.prompts, self.episodes, self.params = ctx, prompts, episodes, params
-
-        def per_episode():
-            return [[] for _ in episodes]
-
-        self.response, self.logprobs, self.loss_mask = per_episode(), per_episode(), per_episode()
-        self.answer_lengths, self.feedback_lengths, self.finish = per_episode(), per_episode(), per_episode()
-
-    def _append(self, i: int, ids: list[int], logprobs: list[float], trained: bool) -> None:
-        self.response[i] += ids
-        self.logprobs[i] += logprobs
-        self.loss_mask[i] += [int(trained)] * len(ids)
-
-    def __call__(self, active: list[int], dialogs: list[str]) -> list[str]:
-        tok = self.ctx.tokenizer
-        for i in active:
-            if len(self.episodes[i].feedbacks) > len(self.feedback_lengths[i]):
-                ids = tok(self.episodes[i].feedbacks[-1], add_special_tokens=False)["input_ids"]
-                self._append(i, ids, [0.0] * len(ids), trained=False)
-                self.feedback_lengths[i].append(len(ids))
-        params = self.params()
-        gens = self.ctx.generate(
-            [GenerationRequest(list(self.prompts[i].prompt_ids) + self.response[i], params) for i in active]
-        )
-        gens = sorted(gens, key=lambda g: g.request_index)
-        for i, g in zip(active, gens):
-            self._append(i, g.response_ids, g.logprobs, trained=True)
-            self.answer_lengths[i].append(len(g.response_ids))
-            self.finish[i].append(g.finish_reason)
-        return tok.batch_decode([g.response_ids for g in gens], skip_special_tokens=True)
 
 
 @register("rlef")
@@ -157,57 +138,30 @@ class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics):
     def __init__(self, config: RLEFConfig | None = None):
         self.config = config or self.Config()
 
-    def _open_episodes(self, ctx, starts, uids: Sequence[str]) -> list:
-        return [
-            ctx.task.episode(p.meta, self.config.max_turns, uid=uid, feedback_chars=self.config.feedback_chars)
-            for p, uid in zip(starts, uids)
-        ]
+    def _settings(self, ctx) -> EpisodeSettings:
+        """The code dialogs as episodes: a CodeEnv per episode over the task's CodeEpisode (its
+        sandbox limits, `max_turns`, `feedback_chars`), its runs in the run's sandbox pool."""
+        c = self.config
+        new_episode = partial(ctx.task.episode, max_turns=c.max_turns, feedback_chars=c.feedback_chars)
+        return EpisodeSettings(
+            lambda: CodeEnv(ctx.execute, new_episode), PlainEncoder(ctx.tokenizer), c.max_turns, NO_BUDGET
+        )
 
     def rollout(self, ctx, prompts) -> pa.Table:
         c = self.config
-        starts = [p for p in prompts for _ in range(c.samples_per_prompt)]
-        episodes = self._open_episodes(
-            ctx, starts, [f"{p.uid}/{k % c.samples_per_prompt}" for k, p in enumerate(starts)]
-        )
-        turns = TokenTurns(ctx, starts, episodes, lambda: ctx.sampling(n=1, seed=ctx.next_seed()))
-        play_episodes(episodes, turns, ctx.execute)  # a turn's public runs (then the private ones) at once
-        rows = []
-        for i, (p, e) in enumerate(zip(starts, episodes)):
-            meta = {
-                **p.meta,
-                "turn_rewards": e.turn_rewards,
-                "answer_lengths": turns.answer_lengths[i],
-                "feedback_lengths": turns.feedback_lengths[i],
-                "public_passed": e.public_passed,
-                "private_passed": e.private_passed,
-                "no_code_turns": sum(x is None for x in e.programs),
-                "finish_reasons": turns.finish[i],
-                "sandbox_runs": sum(x is not None for x in e.programs) + (e.programs[-1] is not None),
-            }
-            rows.append(
-                dict(
-                    uid=new_uid(),
-                    group=p.uid,
-                    prompt_ids=list(p.prompt_ids),
-                    response_ids=turns.response[i],
-                    logprobs=turns.logprobs[i],
-                    loss_mask=turns.loss_mask[i],
-                    reward=e.reward,
-                    policy_version=ctx.policy_version,
-                    meta=meta,
-                )
-            )
-        table = make_experience(rows, LEARNER_LOGPROBS)
+        params = ctx.sampling(n=1, seed=ctx.next_seed())
+        episodes = play_episodes(ctx, prompts, c.samples_per_prompt, params, self._settings(ctx))
+        table = episode_rows(episodes, code_episode_meta)
         table = set_token_column(table, "ref_logprobs", ctx.ref_logprobs(table))
         table = set_token_column(table, "values", ctx.values(table))
-        return set_token_column(table, "learner_logprobs", ctx.policy_logprobs(table))
+        learner = [list(map(float, v)) for v in ctx.policy_logprobs(table)]
+        return table.append_column("learner_logprobs", pa.array(learner, type=pa.list_(pa.float32())))
 
     def evaluate(self, ctx, prompts, params) -> dict[str, float]:
         """Held-out metrics as the paper reports them: one episode per problem (up to max_turns
         answers with public-test feedback), `accuracy` = its final code passing the private tests
         (1@3 at the default), sampled with `params` (the controller's: greedy by default)."""
-        episodes = self._open_episodes(ctx, prompts, [f"{p.uid}/eval" for p in prompts])
-        play_episodes(episodes, TokenTurns(ctx, prompts, episodes, lambda: params), ctx.execute)
+        episodes = [e.env.episode for e in play_episodes(ctx, prompts, 1, params, self._settings(ctx))]
         return {
             "accuracy": float(np.mean([bool(e.private_passed) for e in episodes])),
             "public_pass": float(np.mean([e.public_passed for e in episodes])),

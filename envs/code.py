@@ -306,15 +306,16 @@ def play_episodes(
 class CodeEnv:
     """The Env protocol (envs/base.py) over one CodeEpisode: `reset(row)`, then
     `step(answer) -> (feedback | None, R_t, done, info)`; the private tests run inside the
-    last step, and its R_t includes the final +1/-1."""
+    last step, and its R_t includes the final +1/-1 (`info["correct"]`: they all passed). `run`:
+    where the programs run (RLEF: the run's sandbox pool, shared by the episodes' threads);
+    `new_episode(row)`: the row's CodeEpisode (RLEF: the task's, with its limits and max_turns)."""
 
     run: Runner
-    max_turns: int = 3
-    limits: Limits = field(default_factory=Limits)
+    new_episode: Callable[[dict], CodeEpisode] = CodeEpisode
     episode: CodeEpisode | None = None
 
     def reset(self, row: dict) -> str:
-        self.episode = CodeEpisode(row, self.max_turns, self.limits)
+        self.episode = self.new_episode(row)
         return self.episode.observation()
 
     def step(self, answer: str):
@@ -325,6 +326,8 @@ class CodeEnv:
             final = e.final_request()
             e.finish(self.run([final])[0] if final is not None else None)
         info = {"public_passed": e.public_passed, "private_passed": e.private_passed, "turn": len(e.answers)}
+        if e.done:
+            info["correct"] = bool(e.private_passed)
         return feedback, e.turn_rewards[-1], e.done, info
 
 

@@ -61,6 +61,7 @@ class ChatEncoder:
     tokenizer: Any
     end_of_turn_id: int | None = None
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    closes_turns = True  # a policy turn cut short is closed with the end-of-turn token before an observation
 
     def __post_init__(self):
         if self.end_of_turn_id is None:
@@ -106,6 +107,30 @@ class ChatEncoder:
         return turn[turn.index(self.end_of_turn_id) + 1 :]
 
 
+@dataclass(frozen=True)
+class PlainEncoder:
+    """A dialog without a chat template: the prompt and every observation are their messages'
+    contents tokenized as they are (no special tokens), appended right after the policy's turn,
+    which eos ends (a turn cut short stays as it is). RLEF's code dialogs: problem, answer,
+    feedback, answer, ..."""
+
+    tokenizer: Any
+    closes_turns = False
+
+    @property
+    def end_of_turn_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    def render_ids(self, messages: Sequence[Mapping], tools: Sequence[dict] | None = None) -> list[int]:
+        text = "".join(m["content"] for m in messages)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def observation_ids(self, messages: Sequence[Mapping], tools: Sequence[dict] | None = None) -> list[int]:
+        if not messages:
+            raise ValueError("an observation needs at least one message")
+        return self.render_ids(messages)
+
+
 @dataclass
 class Conversation:
     """One episode's token row. Start it with `Conversation.start(encoder, messages, tools)`, then
@@ -113,7 +138,7 @@ class Conversation:
     (1 exactly on sampled tokens) and `logprobs` (the sampler's there, 0 elsewhere) stay aligned.
     `policy_turns` holds each policy turn's [start, end) in `ids`."""
 
-    encoder: ChatEncoder
+    encoder: ChatEncoder | PlainEncoder
     ids: list[int]
     loss_mask: list[int]
     logprobs: list[float]
@@ -123,7 +148,7 @@ class Conversation:
 
     @classmethod
     def start(
-        cls, encoder: ChatEncoder, messages: Sequence[Mapping], tools: Sequence[dict] | None = None
+        cls, encoder: ChatEncoder | PlainEncoder, messages: Sequence[Mapping], tools: Sequence[dict] | None = None
     ) -> "Conversation":
         """The prompt: `messages` through the chat template (`tools`: the function schemas the
         template lists), ending with the generation prompt."""
@@ -168,7 +193,7 @@ class Conversation:
         if self.awaiting_policy:
             raise ValueError("an observation follows a policy turn")
         eot = self.encoder.end_of_turn_id
-        close = [] if self.ids[-1:] == [eot] else [eot]
+        close = [] if self.ids[-1:] == [eot] or not self.encoder.closes_turns else [eot]
         ids = close + self.encoder.observation_ids(messages, self.tools)
         if budget is not None and len(self.ids) + len(ids) > budget:
             return None

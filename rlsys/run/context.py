@@ -72,6 +72,7 @@ class ActorContext:
         self.reference_version = None  # the policy version the reference holds (None: the initial policy)
         self.teacher = None  # a distillation teacher (ReferenceWorker) when the algorithm has one
         self.sandbox = None  # a SandboxPool when the task runs code (task.needs_sandbox)
+        self._sandbox_busy_at = 0.0  # the pool's busy seconds at the last reset_timings
         self.prompt_stream = None  # the run's PromptStream (its cursor is checkpointed), set by the controller
         self._timings_lock = threading.Lock()
         # trainer.mode async: a producer thread generates while the learner's thread syncs weights,
@@ -99,10 +100,16 @@ class ActorContext:
     def reset_timings(self) -> None:
         with self._timings_lock:
             self.timings.clear()
+            self._sandbox_busy_at = self.sandbox.metrics.busy_s if self.sandbox is not None else 0.0
 
     def timings_snapshot(self) -> dict[str, float]:
+        """The phases' seconds since `reset_timings`; `sandbox`: the pool's busy wall time (a
+        busy spell still under way counts once it ends)."""
         with self._timings_lock:
-            return dict(self.timings)
+            timings = dict(self.timings)
+            if self.sandbox is not None:
+                timings["sandbox"] = self.sandbox.metrics.busy_s - self._sandbox_busy_at
+            return timings
 
     def sampling(self, **overrides) -> SamplingParams:
         r = self.cfg.rollout
@@ -256,15 +263,15 @@ class ActorContext:
 
     def execute(self, requests):
         """Sandboxed runs (sandbox.ExecRequest), all sent to the pool at once; results in order.
-        Calls from several threads (episodes' python tool) share the pool's workers, each run on
-        whichever is idle; `time/sandbox` sums the calls' times, so it may exceed the step's."""
+        Calls from several threads (episodes' env steps) share the pool's workers, each run on
+        whichever is idle; `time/sandbox` is the wall time with at least one call under way (the
+        pool's busy time), however many threads wait on it."""
         if self.sandbox is None:
             raise RunFailed(
                 f"algorithm '{self.cfg.algorithm.name}' runs code, but task '{self.cfg.task.name}' has no "
                 f"sandbox pool (a task that runs code: task.name=code)"
             )
-        with self.timed("sandbox"):
-            return self.sandbox.run_many(list(requests))
+        return self.sandbox.run_many(list(requests))
 
     def teacher_top_logprobs(self, table, k: int = 0):
         with self.timed("teacher"):

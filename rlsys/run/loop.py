@@ -132,8 +132,6 @@ def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) ->
     if run.cfg.reward.source == "rule":  # a rule reward >= 1 is a correct answer; model and judge scores are not
         metrics["accuracy/train"] = float((rewards >= 1.0).mean())
     timings = ctx.timings_snapshot()  # under async the producer's thread adds to them meanwhile
-    if ctx.sandbox is not None:  # every step of a run with a sandbox pool reports it, 0 when nothing ran
-        timings.setdefault("sandbox", 0.0)
     metrics |= {f"time/{phase}": s for phase, s in timings.items()}
     metrics["time/step"] = seconds
     metrics["perf/tokens_per_s"] = generated / max(timings.get("generate", 0.0), 1e-9)

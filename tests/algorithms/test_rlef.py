@@ -5,6 +5,7 @@ import json
 import re
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -113,7 +114,8 @@ def test_env_protocol_step(unsafe):
     obs, r, done, info = env.step(f"Here:\n```python\n{WRONG}```\n")
     assert obs.startswith("\n" + FEEDBACK_HEAD) and r == 0.0 and not done
     obs, r, done, info = env.step(f"```python\n{RIGHT}```")
-    assert obs is None and r == 1.0 and done and info == {"public_passed": True, "private_passed": True, "turn": 2}
+    assert obs is None and r == 1.0 and done
+    assert info == {"public_passed": True, "private_passed": True, "turn": 2, "correct": True}
 
 
 # ---- pure pieces -----------------------------------------------------------------------
@@ -338,9 +340,8 @@ def episode_table():
                 },
             )
         )
-    from algorithms.rlef import LEARNER_LOGPROBS
-
-    return make_experience(rows, LEARNER_LOGPROBS), rows
+    learner = pa.schema([("learner_logprobs", pa.list_(pa.float32()))])
+    return make_experience(rows, learner), rows
 
 
 def test_prepare_shares_the_advantage_per_turn_and_masks_feedback():

@@ -4,7 +4,7 @@ that cannot be appended to token by token."""
 
 import pytest
 
-from envs.conversation import ChatEncoder, Conversation, TemplateMismatch
+from envs.conversation import ChatEncoder, Conversation, PlainEncoder, TemplateMismatch
 from envs.tools import calculator, tool_from_function, tool_schemas
 from rlsys.models import train_tokenizer
 
@@ -212,6 +212,24 @@ def test_a_turn_cut_short_is_closed_with_the_end_of_turn_token_outside_the_mask(
     a, b = conv.policy_turns[0]
     assert conv.loss_mask[b] == 0 and conv.ids[a:b] == cut
     assert tokenizer.decode(conv.ids[a:]).startswith('<tool_call>\n{"name"<|im_end|>\n<|im_start|>user\n')
+
+
+def test_a_plain_dialog_appends_the_texts_as_they_tokenize_and_closes_no_turn(tokenizer):
+    """PlainEncoder (RLEF's code dialogs): no template; the prompt and each observation are their
+    text's tokens, appended right after the policy's ids, a turn cut short left as it is."""
+    encoder = PlainEncoder(tokenizer)
+    problem, feedback = "What is 2 + 2?", "\n# Feedback: wrong.\n"
+    conv = Conversation.start(encoder, [{"role": "user", "content": problem}])
+    assert conv.ids == tokenizer(problem, add_special_tokens=False)["input_ids"]
+    cut = tokenizer(" 5", add_special_tokens=False)["input_ids"]  # no eos: cut at its budget
+    conv.add_policy(cut, [-0.5] * len(cut))
+    added = conv.add_user(feedback)
+    assert added == tokenizer(feedback, add_special_tokens=False)["input_ids"]  # nothing closes the turn
+    answer = [*tokenizer(" 4", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    conv.add_policy(answer, [-0.25] * len(answer))
+    assert conv.response_ids == [*cut, *added, *answer]
+    assert conv.experience_fields()["loss_mask"] == [1] * len(cut) + [0] * len(added) + [1] * len(answer)
+    assert encoder.end_of_turn_id == tokenizer.eos_token_id
 
 
 def test_turns_must_alternate(encoder):
