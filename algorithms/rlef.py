@@ -41,7 +41,14 @@ from algorithms.episodes import Episode, EpisodeSettings, episode_rows, play_epi
 from envs.code import CodeEnv
 from envs.conversation import PlainEncoder
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, AlgorithmConfig, EvaluatesItself, ModelOutputs, ReportsPrepareMetrics
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    EvaluatesItself,
+    HasOwnEpisodes,
+    ModelOutputs,
+    ReportsPrepareMetrics,
+)
 from rlsys.experience import meta_of
 
 NO_BUDGET = 2**31 - 1  # an episode's token budget: answers are bounded by max_new_tokens, feedback by feedback_chars
@@ -131,21 +138,23 @@ def capped_importance_weight(old_logprobs: torch.Tensor, behaviour_logprobs: tor
 
 
 @register("rlef")
-class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics):
+class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics, HasOwnEpisodes):
     Config = RLEFConfig
     needs_value_head = True
 
     def __init__(self, config: RLEFConfig | None = None):
         self.config = config or self.Config()
 
-    def _settings(self, ctx) -> EpisodeSettings:
+    def episode_settings(self, tokenizer, task, run) -> EpisodeSettings:
         """The code dialogs as episodes: a CodeEnv per episode over the task's CodeEpisode (its
-        sandbox limits, `max_turns`, `feedback_chars`), its runs in the run's sandbox pool."""
+        sandbox limits, `max_turns`, `feedback_chars`), its programs run by `run`."""
         c = self.config
-        new_episode = partial(ctx.task.episode, max_turns=c.max_turns, feedback_chars=c.feedback_chars)
-        return EpisodeSettings(
-            lambda: CodeEnv(ctx.execute, new_episode), PlainEncoder(ctx.tokenizer), c.max_turns, NO_BUDGET
-        )
+        new_episode = partial(task.episode, max_turns=c.max_turns, feedback_chars=c.feedback_chars)
+        return EpisodeSettings(lambda: CodeEnv(run, new_episode), PlainEncoder(tokenizer), c.max_turns, NO_BUDGET)
+
+    def _settings(self, ctx) -> EpisodeSettings:
+        """The episode settings over the run's sandbox pool (`ctx.execute`, looked up per run)."""
+        return self.episode_settings(ctx.tokenizer, ctx.task, lambda requests: ctx.execute(requests))
 
     def rollout(self, ctx, prompts) -> pa.Table:
         c = self.config

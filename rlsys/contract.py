@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence, runtime_checkable
 
 import pyarrow as pa
 import torch
@@ -170,6 +170,16 @@ class UsesProximalLogprobs(Protocol):
     def proximal_logprobs_needed(self) -> bool: ...
 
 
+@runtime_checkable
+class HasOwnEpisodes(Protocol):
+    """Plays multi-turn episodes of its own env rather than `env.name`'s (RLEF's code dialogs):
+    `episode_settings(tokenizer, task, run)`, an algorithms/episodes.py EpisodeSettings whose envs
+    run programs through `run` (a list of sandbox ExecRequests -> their results). The rollout
+    passes the run's sandbox pool; an attached evaluator passes its own and plays them too."""
+
+    def episode_settings(self, tokenizer: Any, task: Any, run: Callable) -> Any: ...
+
+
 class TrainsOnStaleRows:
     """A marker: rows a policy version or more old are corrected by the loss (the clipped ratio
     to their rollout logprobs), so the rollout may run ahead of the learner (`trainer.mode:
@@ -201,6 +211,7 @@ CAPABILITIES: tuple[type, ...] = (
     UsesProximalLogprobs,
     TrainsOnStaleRows,
     PlaysEpisodes,
+    HasOwnEpisodes,
     MovesReference,
 )
 

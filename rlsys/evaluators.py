@@ -172,12 +172,14 @@ class EvalRegistry:
 @dataclass(frozen=True)
 class EvalEpisodes:
     """How an evaluator plays a multi-turn run's episodes in its own process: the run's `env`
-    section (rlsys.config.EnvConfig), the episode token budget the run uses, and its `sandbox`
-    section (rlsys.config.SandboxConfig) when a tool runs code (None otherwise)."""
+    section (rlsys.config.EnvConfig) and the episode token budget the run uses, or an `algorithm`
+    that plays its own (HasOwnEpisodes: RLEF); and the run's `sandbox` section
+    (rlsys.config.SandboxConfig) when the episodes run code (None otherwise)."""
 
-    env: Any
-    max_tokens: int
+    env: Any = None
+    max_tokens: int = 0
     sandbox: Any = None
+    algorithm: Any = None
 
 
 class EvaluatorWorker:
@@ -230,17 +232,20 @@ class EvaluatorWorker:
         self.max_new_tokens = s.max_new_tokens or max_new_tokens
 
     def _episode_settings(self, episodes: EvalEpisodes):
-        """The run's episodes over this worker's own envs (and sandbox pool, made at the first run)."""
+        """The run's episodes over this worker's own envs (and sandbox pool, made at the first run):
+        `env.name`'s, or those of an algorithm that plays its own."""
         from algorithms.episodes import EpisodeSettings  # actor code: only the evaluator worker loads it
         from envs.registry import make_env_factory
         from sandbox.types import Limits
 
         box = episodes.sandbox
+        self.sandbox_backend = box.backend if box else None
+        if episodes.algorithm is not None:
+            return episodes.algorithm.episode_settings(self.tokenizer, self.task, self._run_sandboxed)
         limits = (
             Limits(wall_time_s=box.wall_time_s, cpu_time_s=box.cpu_time_s, memory_mb=box.memory_mb) if box else None
         )
         factory = make_env_factory(episodes.env, self.task, run=self._run_sandboxed, limits=limits)
-        self.sandbox_backend = box.backend if box else None
         env = episodes.env
         return EpisodeSettings.for_tokenizer(
             self.tokenizer,

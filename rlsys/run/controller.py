@@ -26,7 +26,7 @@ from envs.registry import make_env_factory, make_task
 from envs.rewards import build_shaping
 from rlsys.checkpoint import CheckpointError, candidates
 from rlsys.config import ConfigError, JobConfig, dump_config
-from rlsys.contract import Algorithm, EvaluatesItself, HasTeacher, HasWarmupTask, Prompt
+from rlsys.contract import Algorithm, EvaluatesItself, HasOwnEpisodes, HasTeacher, HasWarmupTask, Prompt
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (re-exported for tests and users)
 from rlsys.evaluators import AttachedEvaluators, EvalEpisodes, write_cluster_info
 from rlsys.generation import GenerationRequest
@@ -224,6 +224,8 @@ class Controller:
 
     def evaluator_episodes(self) -> EvalEpisodes | None:
         """What attached evaluators need to play this run's episodes (None: single-turn)."""
+        if isinstance(self.algorithm, HasOwnEpisodes):
+            return EvalEpisodes(sandbox=self.cfg.sandbox if self.needs_sandbox else None, algorithm=self.algorithm)
         if self.envs is None:
             return None
         sandbox = self.cfg.sandbox if self.envs.uses_sandbox else None

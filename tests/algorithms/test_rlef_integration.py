@@ -63,6 +63,21 @@ def test_two_rlef_steps_with_the_sandbox_pool(ray_cluster, tmp_path):
     for r in evals:
         assert r["n"] == 2 and 1 <= r["turns_mean"] <= 3 and 0 <= r["accuracy"] <= 1 and "public_pass" in r
 
+    # an evaluator attached to the run plays RLEF's code dialogs in its own actor, with its own pool
+    from rlsys.evaluators import AttachedEvaluators, parse_spec
+
+    attached = AttachedEvaluators("rlef-evals")
+    spec = parse_spec({"name": "dialogs", "split": "eval"}).model_dump()  # what `rlsys eval attach` registers
+    attached.start(controller.policy_dir, controller.task, 8, [spec], controller.evaluator_episodes())
+    try:
+        attached.poll(2, 2, lambda: controller.learners[0].weights.remote())
+        ((step, name, metrics, version),) = attached.drain(timeout=300)
+    finally:
+        attached.close()
+    assert (step, name, version, metrics["n"]) == (2, "dialogs", 2, 2)
+    assert 0 <= metrics["accuracy"] <= 1 and 1 <= metrics["episode/turns_mean"] <= 3
+    assert metrics["episode/stop_done"] == 1.0  # every dialog ended by the env: a public pass or its last answer
+
     # One more rollout on the live actors (the run closed its pool): feedback tokens carry
     # loss_mask 0 and decode to the env's feedback turns; answer tokens carry 1.
     controller.ctx.sandbox = SandboxPool("bwrap", workers=2)
