@@ -201,7 +201,7 @@ class EvaluatorWorker:
         from actors.rollout import RolloutWorker  # actor code (torch): only the evaluator worker loads it
         from envs.datasets import read_rows  # task data (pyarrow): only the worker reads rows
         from rlsys.models import load_tokenizer  # torch: as above
-        from rlsys.prompts import prompt_ids
+        from rlsys.prompts import prompt_ids  # tokenizers: as above
 
         torch.set_num_threads(1)
         self.spec, self.task = EvaluatorSpec.model_validate(spec), task
@@ -235,8 +235,8 @@ class EvaluatorWorker:
         """The run's episodes over this worker's own envs (and sandbox pool, made at the first run):
         `env.name`'s, or those of an algorithm that plays its own."""
         from algorithms.episodes import EpisodeSettings  # actor code: only the evaluator worker loads it
-        from envs.registry import make_env_factory
-        from sandbox.types import Limits
+        from envs.registry import make_env_factory  # the env classes and tools: only a multi-turn evaluator
+        from sandbox.types import Limits  # the same
 
         box = episodes.sandbox
         self.sandbox_backend = box.backend if box else None
@@ -330,7 +330,7 @@ class EvaluatorWorker:
         final answer, or the last policy turn where the env grades itself, and the env's verdict
         there: None where the metric decides)."""
         from algorithms.episodes import play_episodes  # actor code: only the evaluator worker loads it
-        from rlsys.contract import Prompt
+        from rlsys.contract import Prompt  # torch and pyarrow: only the evaluator worker
 
         prompts = [
             Prompt(f"{self.spec.name}-{i}", ids, "", r) for i, (ids, r) in enumerate(zip(self.prompt_ids, self.rows))
