@@ -114,7 +114,7 @@ def head_node():
     yield f"http://127.0.0.1:{dash}", env
     os.killpg(head.pid, signal.SIGTERM)
     try:
-        head.wait(timeout=60)
+        head.wait(timeout=5)  # then SIGKILL: the test cluster's state is thrown away
     except subprocess.TimeoutExpired:
         os.killpg(head.pid, signal.SIGKILL)
         head.wait()
