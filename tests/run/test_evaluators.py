@@ -143,7 +143,10 @@ def test_attach_detach_and_resume_on_a_live_run(ray_cluster, tmp_path):
     assert all(r["policy_version"] == r["step"] and r["n"] == 8 and 0 <= r["accuracy"] <= 1 for r in a)
     assert [r["step"] for r in b] == [2, 4, 6, 8] and all(r["policy_version"] == r["step"] for r in b)
     assert all("first_char_match" in r and "pass@2" in r and r["n"] == 16 for r in b)
-    assert all(r["time/eval_handoff"] < r["time/step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
+    # the loop hands evaluations off without waiting for them: once step 1 has started the evaluators'
+    # actors, the hand-offs together take a fraction of the steps they sit between
+    later = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 1]
+    assert sum(r["time/eval_handoff"] for r in later) < 0.5 * sum(r["time/step"] for r in later)
     state = json.loads((run_dir / "checkpoints" / "step_8" / "state.json").read_text())
     assert [s["name"] for s in state["evaluators"]] == ["b"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
