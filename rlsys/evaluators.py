@@ -173,12 +173,13 @@ class EvalRegistry:
 class EvalEpisodes:
     """How an evaluator plays a multi-turn run's episodes in its own process: the run's `env`
     section (rlsys.config.EnvConfig) and the episode token budget the run uses, or an `algorithm`
-    that plays its own (HasOwnEpisodes: RLEF); and the run's `sandbox` section
-    (rlsys.config.SandboxConfig) when the episodes run code (None otherwise)."""
+    that plays its own (HasOwnEpisodes: RLEF); and when the episodes run code, the run's sandbox
+    backend and limits (sandbox.types.Limits; None otherwise)."""
 
     env: Any = None
     max_tokens: int = 0
-    sandbox: Any = None
+    sandbox_backend: str | None = None
+    limits: Any = None
     algorithm: Any = None
 
 
@@ -236,16 +237,11 @@ class EvaluatorWorker:
         `env.name`'s, or those of an algorithm that plays its own."""
         from algorithms.episodes import EpisodeSettings  # actor code: only the evaluator worker loads it
         from envs.registry import make_env_factory  # the env classes and tools: only a multi-turn evaluator
-        from sandbox.types import Limits  # the same
 
-        box = episodes.sandbox
-        self.sandbox_backend = box.backend if box else None
+        self.sandbox_backend = episodes.sandbox_backend
         if episodes.algorithm is not None:
             return episodes.algorithm.episode_settings(self.tokenizer, self.task, self._run_sandboxed)
-        limits = (
-            Limits(wall_time_s=box.wall_time_s, cpu_time_s=box.cpu_time_s, memory_mb=box.memory_mb) if box else None
-        )
-        factory = make_env_factory(episodes.env, self.task, run=self._run_sandboxed, limits=limits)
+        factory = make_env_factory(episodes.env, self.task, run=self._run_sandboxed, limits=episodes.limits)
         env = episodes.env
         return EpisodeSettings.for_tokenizer(
             self.tokenizer,

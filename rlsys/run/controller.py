@@ -224,12 +224,14 @@ class Controller:
 
     def evaluator_episodes(self) -> EvalEpisodes | None:
         """What attached evaluators need to play this run's episodes (None: single-turn)."""
+        backend = self.cfg.sandbox.backend
         if isinstance(self.algorithm, HasOwnEpisodes):
-            return EvalEpisodes(sandbox=self.cfg.sandbox if self.needs_sandbox else None, algorithm=self.algorithm)
+            return EvalEpisodes(sandbox_backend=backend if self.needs_sandbox else None, algorithm=self.algorithm)
         if self.envs is None:
             return None
-        sandbox = self.cfg.sandbox if self.envs.uses_sandbox else None
-        return EvalEpisodes(self.cfg.env, self._episode_tokens(), sandbox)
+        if not self.envs.uses_sandbox:
+            return EvalEpisodes(self.cfg.env, self._episode_tokens())
+        return EvalEpisodes(self.cfg.env, self._episode_tokens(), backend, self._sandbox_limits())
 
     def _episode_tokens(self) -> int:
         """An episode's token budget: env.max_tokens, at most (and by default) the policy's context."""
