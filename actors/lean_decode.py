@@ -19,6 +19,7 @@ The loop runs under `torch.inference_mode` (nothing it makes is ever differentia
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +132,12 @@ def draw_from(probs: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+class Decoded(NamedTuple):
+    tokens: torch.Tensor  # [B, N] new tokens, `pad_id` after a row's first stop token
+    logprobs: torch.Tensor  # [B, N] the sampler's logprobs (0 at pads)
+    step_versions: list[int] | None  # with `weights_between_steps`: the policy version that sampled each step
 
 
 class LeanDecoder:
@@ -334,14 +341,21 @@ class LeanDecoder:
         pad_id: int = 0,
         reference: "LeanDecoder | None" = None,
         interpolation=None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(new tokens [B, N], logprobs [B, N]) for a left-padded prompt batch; a row is padded with
+        weights_between_steps: Callable[[], int] | None = None,
+    ) -> Decoded:
+        """New tokens and their logprobs for a left-padded prompt batch; a row is padded with
         `pad_id` (logprob 0) after its first stop token. Logprobs are log softmax(logits / T), the
         raw logits' (greedy: T = 1), before top-k/top-p, as the HF backend records them.
         With `reference` and `interpolation` (PILAF), tokens are drawn from
-        `interpolated_logits(policy, reference, beta, mode)`; the logprobs stay the policy's."""
+        `interpolated_logits(policy, reference, beta, mode)`; the logprobs stay the policy's.
+        `weights_between_steps` (rollout.inflight_update continue) is called before the prefill and
+        after each step's draw: it loads any weights offered meanwhile into the model and returns the
+        policy version the model holds. A new version is used from the next forward on (the drawn
+        tokens' own), over the KV cache the older weights wrote, which is kept."""
         b, p = input_ids.shape
         total = p + max_new_tokens
+        version = None if weights_between_steps is None else weights_between_steps()
+        step_versions = None if version is None else []
         streams = [self.start(input_ids, attention_mask, total)]
         if interpolation is not None:
             streams.append(reference.start(input_ids, attention_mask, total))
@@ -368,6 +382,8 @@ class LeanDecoder:
             else:
                 token = draw_from(step_logprobs.exp())
             recorded.add(token, step_logprobs.gather(-1, token[:, None]).squeeze(-1))
+            if step_versions is not None:
+                step_versions.append(version)
             if step + 1 == max_new_tokens:
                 break
             done = token == stops[0] if len(stops) == 1 else torch.isin(token, stops_t)
@@ -379,11 +395,15 @@ class LeanDecoder:
                 token, next_position = token[keep], next_position[keep]
                 for stream in streams:
                     stream.keep(keep, filled=p + step)
+            if weights_between_steps is not None:
+                held = weights_between_steps()
+                if held != version:  # new weights: re-fused, this step's tokens forwarded by them
+                    version, streams[0].fused = held, self.current_fused()
             for stream in streams:
                 stream.step(token, next_position, p + step)
             next_position.add_(1)
         recorded.flush()
-        return tokens, logprobs
+        return Decoded(tokens, logprobs, step_versions)
 
 
 @dataclass

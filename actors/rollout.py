@@ -14,6 +14,7 @@ lazily, on the first request that needs it.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from typing import Protocol, Sequence
 
@@ -209,16 +210,18 @@ class HFBackend:
 
     @torch.no_grad()
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams
-    ) -> list[tuple[list[int], list[float], str]]:
+        self, prompts: list[list[int]], params: SamplingParams, weights_between_steps=None
+    ) -> tuple[list[tuple[list[int], list[float], str]], list[int] | None]:
+        """Each prompt's (tokens, logprobs, finish reason), and with `weights_between_steps` the
+        version that sampled each step (the lean decoder's `Decoded.step_versions`)."""
         input_ids, attention_mask = pad_sequences(prompts, self.pad_id, left=True)
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         stop_ids = self.eos_ids | set(params.stop_token_ids)
         if self.specache is not None and params.interpolation is None:
-            return self._specache_batch(input_ids, attention_mask, params, stop_ids)
+            return self._specache_batch(input_ids, attention_mask, params, stop_ids), None
         lean_reference = None if params.interpolation is None else self.lean_reference
         if self.lean is not None and (params.interpolation is None or lean_reference is not None):
-            tokens, logprobs = self.lean.generate(
+            tokens, logprobs, step_versions = self.lean.generate(
                 input_ids,
                 attention_mask,
                 params.max_new_tokens,
@@ -230,8 +233,9 @@ class HFBackend:
                 pad_id=self.pad_id,
                 reference=lean_reference,
                 interpolation=params.interpolation,
+                weights_between_steps=weights_between_steps,
             )
-            return rows_until_stop(tokens, logprobs, stop_ids)
+            return rows_until_stop(tokens, logprobs, stop_ids), step_versions
         mixing = (
             []
             if params.interpolation is None
@@ -257,7 +261,7 @@ class HFBackend:
         if not params.greedy and params.temperature != 1.0:
             logits = logits / params.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
-        return rows_until_stop(new_tokens, logprobs, stop_ids)
+        return rows_until_stop(new_tokens, logprobs, stop_ids), None
 
     def _specache_batch(self, input_ids, attention_mask, params: SamplingParams, stop_ids: set[int]):
         """Decode with the SpeCache cache (rlsys.kvcache): low-bit keys/values in the fast tier,
@@ -278,7 +282,15 @@ class HFBackend:
         )
         return rows_until_stop(sequences[:, input_ids.shape[1] :], logprobs, stop_ids)
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+    @property
+    def takes_weights_between_steps(self) -> bool:
+        """Whether a generation can load new weights between two decode steps (the lean decoder's
+        `weights_between_steps`; rollout.inflight_update continue)."""
+        return self.lean is not None and self.specache is None
+
+    def generate(self, requests: Sequence[GenerationRequest], weights_between_steps=None) -> list[Generation]:
+        """`weights_between_steps` (see `LeanDecoder.generate`): new weights may load between the
+        decode steps; each generation's `token_versions` then records the version of every token."""
         seqs = expand_requests(requests)
         results: list[Generation | None] = [None] * len(seqs)
         # Batches share sampling params; requests with different params never mix.
@@ -290,9 +302,11 @@ class HFBackend:
                 torch.manual_seed(params.seed)
             for bucket in length_buckets(members, self.batch_size, key=lambda k: len(seqs[k][1])):
                 idx = [members[b] for b in bucket]
-                outs = self._generate_batch([seqs[k][1] for k in idx], params)
+                outs, step_versions = self._generate_batch([seqs[k][1] for k in idx], params, weights_between_steps)
                 for k, (tokens, lps, reason) in zip(idx, outs):
                     results[k] = Generation(seqs[k][0], seqs[k][1], tokens, lps, reason)
+                    if step_versions is not None:
+                        results[k].token_versions = step_versions[: len(tokens)]
         for which in ("policy", "reference"):
             wanted = [k for k, g in enumerate(results) if requests[g.request_index].embedding == which]
             if wanted:
@@ -334,6 +348,37 @@ def make_backend(
     raise ValueError(f"unknown rollout backend '{name}' (hf, vllm)")
 
 
+def fetched_parts(refs: list, digests: list | None):
+    """A sync's buckets (object refs) with their checksums (refs, or None), fetched one at a time."""
+    import ray  # reason: only actors receive bucket refs; the backends above run without Ray
+
+    for part, checksums in zip(refs, digests or [None] * len(refs)):
+        yield ray.get(part), checksums and ray.get(checksums)
+
+
+class OfferedWeights:
+    """rollout.inflight_update continue: weights offered to a worker from its "weights" concurrency
+    group while its generation holds `model_lock` (the newest offer waits for the next decode step)."""
+
+    def __init__(self):
+        self.model_lock = threading.Lock()  # held while the model generates or loads weights
+        self._lock = threading.Lock()
+        self._offered: tuple[int, list] | None = None  # (version, its tensors in one or more parts)
+
+    def put(self, version: int, parts: list) -> None:
+        with self._lock:
+            if self._offered is None or version > self._offered[0]:
+                self._offered = (version, parts)
+
+    def take(self) -> tuple[int, list] | None:
+        with self._lock:
+            offered, self._offered = self._offered, None
+        return offered
+
+    def pending(self) -> bool:
+        return self._offered is not None
+
+
 class RolloutWorker:
     """One rollout role: a backend plus the policy version it currently holds."""
 
@@ -349,9 +394,12 @@ class RolloutWorker:
         specache: dict | None = None,
         backend_options: dict | None = None,
         decode: str = "lean",
+        inflight_update: str = "finish",
     ):
         """`backend_options`: the vllm backend's engine settings (tensor_parallel_size, ...);
-        `decode`: the hf backend's decode loop (rollout.decode)."""
+        `decode`: the hf backend's decode loop (rollout.decode); `inflight_update` continue: weights
+        offered during a generation (`offer_weights`, from the actor's "weights" concurrency group)
+        load between two of its decode steps."""
         torch.set_num_threads(threads)
         self.index = index
         # the reference defaults to model_dir: the initial policy, as the ReferenceWorker loads it
@@ -370,39 +418,92 @@ class RolloutWorker:
         self.version = 0
         self.tokens_generated = 0
         self.generate_seconds = 0.0
+        self.offers = None
+        if inflight_update == "continue":
+            if not getattr(self.backend, "takes_weights_between_steps", False):
+                raise ValueError(
+                    f"rollout.inflight_update=continue loads weights between decode steps of the lean decoder "
+                    f"(rollout.backend hf, rollout.decode lean, rollout.kv_cache full, a Llama-family model): "
+                    f"{model_dir} is served by another loop"
+                )
+            self.offers = OfferedWeights()
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         start = time.perf_counter()
-        gens = self.backend.generate(requests)
+        if self.offers is None:
+            gens = self.backend.generate(requests)
+        else:
+            with self.offers.model_lock:  # offers that arrive meanwhile load between decode steps
+                gens = self.backend.generate(requests, weights_between_steps=self._take_offered)
+            self._take_offered_if_idle()
         self.generate_seconds += time.perf_counter() - start
         for g in gens:
-            g.policy_version = self.version
+            g.policy_version = min(g.token_versions) if g.token_versions else self.version
             self.tokens_generated += len(g.response_ids)
         return gens
+
+    def offer_weights(self, version: int, weights, digest=None) -> int:
+        """rollout.inflight_update continue, called in the actor's "weights" concurrency group: new
+        weights (every tensor, or a list of bucket refs with their digests' refs) fetched and checked
+        here while a generation may run, then loaded between two of its decode steps, or now when
+        none runs. Of the versions offered before a load, only the newest is loaded."""
+        buckets = isinstance(weights, list)
+        parts = list(fetched_parts(weights, digest)) if buckets else [(weights, digest)]
+        for i, (part, checksums) in enumerate(parts):
+            self._check(version, part, checksums, (i, len(parts)) if buckets else None)
+        self.offers.put(version, [part for part, _ in parts])
+        self._take_offered_if_idle()
+        return version
+
+    def _take_offered(self) -> int:
+        """Load the newest offered weights, if newer than the model's (the caller holds the model
+        lock); the version the model now holds."""
+        offered = self.offers.take()
+        if offered is not None and offered[0] > self.version:
+            version, parts = offered
+            with torch.inference_mode(False):  # the decoder's steps run in inference mode; weights are not its
+                for part in parts:
+                    self.backend.load_weights(part, partial=len(parts) > 1)
+            self.version = version
+        return self.version
+
+    def _take_offered_if_idle(self) -> None:
+        """An offer that arrived as a generation ended: loaded now, unless a generation holds the
+        model again (it loads the offer at its next step)."""
+        if self.offers.pending() and self.offers.model_lock.acquire(blocking=False):
+            try:
+                self._take_offered()
+            finally:
+                self.offers.model_lock.release()
 
     def load_weights(self, version: int, weights, digest=None, bucket: tuple[int, int] | None = None) -> int:
         """New weights from the object store, checked against the learner's `digest` first.
         `weights`: every tensor (a dict); or bucket (i, n) of a sync in buckets, some of them, the
         version changing with the last; or a list of bucket refs with their digests' refs (a
         restarted worker or an evaluator catching up), fetched and loaded one at a time."""
-        if isinstance(weights, list):
-            import ray
+        if self.offers is None:
+            return self._load_checked(version, weights, digest, bucket)
+        with self.offers.model_lock:  # an offer may be loading from the "weights" group
+            return self._load_checked(version, weights, digest, bucket)
 
-            digests = digest or [None] * len(weights)
-            for i, (part, checksums) in enumerate(zip(weights, digests)):
-                part, checksums = ray.get(part), checksums and ray.get(checksums)
-                self.load_weights(version, part, checksums, (i, len(weights)))
+    def _load_checked(self, version: int, weights, digest, bucket: tuple[int, int] | None) -> int:
+        if isinstance(weights, list):
+            for i, (part, checksums) in enumerate(fetched_parts(weights, digest)):
+                self._load_checked(version, part, checksums, (i, len(weights)))
                 del part  # each bucket's arrays live on in the model only: one bucket fetched at a time
             return version
-        bad = first_mismatch(digest, weights) if digest is not None else None
-        if bad is not None:
-            raise self._corrupt(
-                version, bad, "the object store" + (f" (bucket {bucket[0]} of {bucket[1]})" if bucket else "")
-            )
+        self._check(version, weights, digest, bucket)
         self.backend.load_weights(weights, partial=bucket is not None)
         if bucket is None or bucket[0] == bucket[1] - 1:
             self.version = version
         return version
+
+    def _check(self, version: int, weights: dict, digest, bucket: tuple[int, int] | None) -> None:
+        """WeightsCorrupt naming the first tensor that does not match the learner's `digest`."""
+        bad = first_mismatch(digest, weights) if digest is not None else None
+        if bad is not None:
+            where = f" (bucket {bucket[0]} of {bucket[1]})" if bucket else ""
+            raise self._corrupt(version, bad, "the object store" + where)
 
     def _corrupt(self, version: int, tensor: str, path: str) -> WeightsCorrupt:
         return WeightsCorrupt(

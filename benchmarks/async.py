@@ -6,7 +6,7 @@ machine's drift hits all of them. Prints one markdown table (also OUT/async.md; 
 OUT/async.jsonl): training samples/s and its ratio to sync, held-out greedy accuracy after the
 steps, the rows' staleness and the batches dropped.
 
-    .venv/bin/python benchmarks/async.py                 # sync, overlap, async k = 1 2 4, k = 2 partial; seeds 0 1
+    .venv/bin/python benchmarks/async.py          # sync, overlap, async k = 1 2 4, k = 2 partial/continue; seeds 0 1
     .venv/bin/python benchmarks/async.py --steps 6 --seeds 0 --warm runs/reasoning/policy_init
 
 Arguments with `=` override the config for every mode.
@@ -36,6 +36,7 @@ MODES = {
     "async k=4": ["trainer.mode=async", "buffer.max_staleness=4"],
     "async k=2, partial": ["trainer.mode=async", "buffer.max_staleness=2", "rollout.inflight_update=resume"]
     + ["rollout.inflight_chunk_tokens=32"],
+    "async k=2, continue": ["trainer.mode=async", "buffer.max_staleness=2", "rollout.inflight_update=continue"],
 }
 
 
@@ -78,6 +79,7 @@ def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict
         "staleness_mean": float(np.mean([r["staleness/mean"] for r in rows])),
         "staleness_max": float(max(r["staleness/max"] for r in rows)),
         "dropped_batches": float(rows[-1].get("staleness/dropped_batches", 0.0)),
+        "mixed_rows": float(np.mean([r.get("staleness/mixed_rows", 0.0) for r in rows])),
         "learner_wait_s": float(sum(r.get("time/rollout_wait", 0.0) for r in rows)),
         # seconds a step, per phase (under overlap and async the rollout phases run beside training)
         **{f"{phase}_s": float(np.mean([r.get(f"time/{phase}", 0.0) for r in rows])) for phase in PHASES},
@@ -88,9 +90,9 @@ def table(results: list[dict]) -> str:
     """One row per mode: means over seeds (and the range of samples/s)."""
     sync = np.mean([r["samples_per_s"] for r in results if r["mode"] == "sync"])
     lines = [
-        "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) | response tokens "
-        "| staleness mean / max | batches dropped | s a step: generate / train | wall s | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) | response tokens | "
+        "staleness mean / max | rows of 2+ versions | batches dropped | s a step: generate / train | wall s | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
         rs = [r for r in results if r["mode"] == mode]
@@ -101,7 +103,7 @@ def table(results: list[dict]) -> str:
         lines.append(
             f"| {mode} | {np.mean(speed):.1f} ({min(speed):.1f}-{max(speed):.1f}) | {np.mean(speed) / sync:.2f}x "
             f"| {mean('heldout_greedy'):.3f} | {mean('train_reward_last_half'):.3f} | {mean('response_length'):.0f} "
-            f"| {mean('staleness_mean'):.2f} / {max(r['staleness_max'] for r in rs):.0f} "
+            f"| {mean('staleness_mean'):.2f} / {max(r['staleness_max'] for r in rs):.0f} | {mean('mixed_rows'):.2f} "
             f"| {sum(r['dropped_batches'] for r in rs):.0f} | {mean('generate_s'):.2f} / {mean('train_s'):.2f} "
             f"| {mean('wall_s'):.0f} | {len(rs)} |"
         )

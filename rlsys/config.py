@@ -263,13 +263,15 @@ class RolloutConfig(Section):
     quantized: Optional[str] = Field(None, description="SliM-LLM quantised dir (rlsys quantize) to serve, hf backend")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM engine (vllm backend)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory fraction a vLLM engine takes")
-    inflight_update: Literal["finish", "resume"] = Field(
+    inflight_update: Literal["finish", "resume", "continue"] = Field(
         "finish",
         description="trainer.mode async: what a generation in progress does when new weights arrive. finish: it "
         "ends under the weights it started with; resume (partial rollouts): it is generated in chunks of "
         "rollout.inflight_chunk_tokens, each unfinished response stopped at a chunk's end and resumed from its "
-        "prefix (prompt and tokens so far, prefilled again) by the newest weights the worker holds; every token "
-        "records the policy version that sampled it (token_versions) and a row's policy_version is its oldest",
+        "prefix (prompt and tokens so far, prefilled again) by the newest weights the worker holds; continue: the "
+        "weights load between two decode steps and the generation goes on under them over the KV cache the older "
+        "weights wrote (the lean decoder). Under resume and continue every token records the policy version that "
+        "sampled it (token_versions) and a row's policy_version is its oldest",
     )
     inflight_chunk_tokens: int = Field(
         32, ge=1, description="rollout.inflight_update resume: tokens generated per chunk before new weights may load"
@@ -981,9 +983,10 @@ class JobConfig(Section):
 CROSS_SECTION_RULES = (
     "`trainer.mode: overlap | async` needs an algorithm whose loss corrects rows one policy version old "
     "({stale}) and `buffer.max_staleness >= 1`; `async` needs `trainer.weight_sync: auto | object_store` (the "
-    "workers load new weights between generations while the learner runs on); `rollout.inflight_update: resume`, "
-    "`trainer.deterministic` and `trainer.staleness_policy: drop` need `trainer.mode: async` (deterministic waits: "
-    "not with drop; inflight updates: `rollout.backend: hf`); async with `learner.lora` needs `zero_stage` < 3.",
+    "workers load new weights between generations while the learner runs on); `rollout.inflight_update: resume | "
+    "continue`, `trainer.deterministic` and `trainer.staleness_policy: drop` need `trainer.mode: async` "
+    "(deterministic waits: not with drop nor with continue; inflight updates: `rollout.backend: hf`, continue also "
+    "`rollout.decode: lean` and `rollout.kv_cache: full`); async with `learner.lora` needs `zero_stage` < 3.",
     "An algorithm that trains several policies (cdg with `algorithm.models` other than `shared`) needs "
     "`rollout.backend: hf` and a `trainer.weight_sync` other than `broadcast`.",
     "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward or a `reward.function`'s (a "
@@ -1037,6 +1040,16 @@ def check_job(cfg: JobConfig, algorithm) -> None:
         raise ConfigError(
             f"config error: 'rollout.inflight_update'={cfg.rollout.inflight_update}: weights change during a "
             f"generation only under trainer.mode=async with rollout.backend=hf (here: {mode}, {cfg.rollout.backend})"
+        )
+    if cfg.rollout.inflight_update == "continue" and (cfg.rollout.decode != "lean" or cfg.rollout.kv_cache != "full"):
+        raise ConfigError(
+            "config error: 'rollout.inflight_update'=continue loads weights between the lean decoder's steps: it "
+            f"needs rollout.decode=lean and rollout.kv_cache=full (here: {cfg.rollout.decode}, {cfg.rollout.kv_cache})"
+        )
+    if cfg.rollout.inflight_update == "continue" and t.deterministic:
+        raise ConfigError(
+            "config error: 'rollout.inflight_update'=continue: the decode step that new weights reach depends on "
+            "timing, which trainer.deterministic=true rules out (use finish or resume)"
         )
     if mode == "async" and cfg.trainer.weight_sync not in ("auto", "object_store"):
         raise ConfigError(

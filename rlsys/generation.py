@@ -72,7 +72,7 @@ class Generation:
     finish_reason: str  # "stop" (eos/stop id) or "length"
     policy_version: int = 0  # of the oldest token (a response resumed under newer weights has several)
     embedding: Optional[list[float]] = None  # when the request asked for one
-    token_versions: Optional[list[int]] = None  # per response token, where it was generated in chunks
+    token_versions: Optional[list[int]] = None  # per response token, where weights may change mid-generation
 
 
 @dataclass

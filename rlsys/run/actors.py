@@ -61,23 +61,26 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
     (and none left queued on the cluster) when they do not start in trainer.start_timeout_s."""
     r, l = cfg.rollout, cfg.learner
     opts = dict(max_restarts=-1, max_task_retries=2)
+    # rollout.inflight_update continue: offers of new weights run beside a generation, in their own thread
+    rollout_actor = (
+        ray.remote(concurrency_groups={"weights": 1})(RolloutWorker)
+        if r.inflight_update == "continue"
+        else ray.remote(RolloutWorker)
+    )
     temperature = r.temperature if r.temperature > 0 else 1.0
 
     def worker(i, **placement):
-        return (
-            ray.remote(RolloutWorker)
-            .options(**placement, **opts)
-            .remote(
-                str(policy_dir),
-                r.backend,
-                r.batch_size,
-                r.threads_per_worker,
-                i,
-                quantized=r.quantized,
-                specache=r.specache_settings(),
-                backend_options=vllm_options(cfg, i),
-                decode=r.decode,
-            )
+        return rollout_actor.options(**placement, **opts).remote(
+            str(policy_dir),
+            r.backend,
+            r.batch_size,
+            r.threads_per_worker,
+            i,
+            quantized=r.quantized,
+            specache=r.specache_settings(),
+            backend_options=vllm_options(cfg, i),
+            decode=r.decode,
+            inflight_update=r.inflight_update,
         )
 
     def learner(rank, world_size, port, master_addr="127.0.0.1", **placement):

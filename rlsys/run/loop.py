@@ -104,7 +104,7 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     metrics |= step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
     if "episode/correct" in metrics:  # an episode is right by its final answer, whatever its turns' rewards
         metrics["accuracy/train"] = metrics["episode/correct"]
-    metrics |= staleness_metrics(staleness) | run.rollouts.metrics()
+    metrics |= staleness_metrics(staleness) | mixed_version_rows(table) | run.rollouts.metrics()
     return metrics, table, staleness
 
 
@@ -114,6 +114,15 @@ def staleness_metrics(staleness: np.ndarray) -> dict[str, float]:
     if not len(staleness):
         return {"staleness/mean": 0.0, "staleness/max": 0.0}
     return {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max())}
+
+
+def mixed_version_rows(table: pa.Table) -> dict[str, float]:
+    """Where rows record each token's version (rollout.inflight_update): `staleness/mixed_rows`,
+    the share of the step's rows whose tokens more than one policy version sampled."""
+    if "token_versions" not in table.column_names or not table.num_rows:
+        return {}
+    mixed = [len(set(v)) > 1 for v in response_token_versions(table)]
+    return {"staleness/mixed_rows": float(np.mean(mixed))}
 
 
 def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) -> dict[str, float]:

@@ -105,20 +105,34 @@ def readmitted(load, sync) -> None:
         raise
 
 
+def weights_call(worker, offered: bool):
+    """The worker's method that takes a sync: `load_weights`, run in order with its generations, or
+    (rollout.inflight_update continue) `offer_weights` in its "weights" concurrency group, beside
+    a generation in progress, which loads them between two decode steps."""
+    return worker.offer_weights.options(concurrency_group="weights") if offered else worker.load_weights
+
+
 def send_through_object_store(
-    p: PolicyActors, version: int, sent: InFlight, timeout: float, from_learners, asynchronous: bool = False
+    p: PolicyActors,
+    version: int,
+    sent: InFlight,
+    timeout: float,
+    from_learners,
+    asynchronous: bool = False,
+    offered: bool = False,
 ) -> None:
     """Rank 0's weights and their checksums into the object store, every worker loading them
     (awaited later, through `sent`); a policy larger than one bucket goes in buckets, awaited now,
-    or under async (`asynchronous`) all of them to each worker in one unawaited call."""
+    or under async (`asynchronous`) all of them to each worker in one unawaited call. `offered`:
+    the workers take them through `offer_weights` (see `weights_call`)."""
     if p.buckets is not None and len(p.buckets) > 1:
         if asynchronous:
-            return send_buckets_in_one_call(p, version, sent)
+            return send_buckets_in_one_call(p, version, sent, offered)
         return send_in_buckets(p, version, timeout, from_learners)
     weights, digest = p.learners[0].weights_and_digest.options(num_returns=2).remote()
     sent.gathered += [l.weights.remote() for l in p.learners[1:]]  # ZeRO-3: every rank joins the gather
     for w in p.workers:
-        load = lambda w=w: w.load_weights.remote(version, weights, digest)  # noqa: E731
+        load = lambda w=w: weights_call(w, offered).remote(version, weights, digest)  # noqa: E731
         sent.add(load(), load)
     p.weights_ref, p.weights_digest = weights, digest
 
@@ -142,7 +156,7 @@ def send_in_buckets(p: PolicyActors, version: int, timeout: float, from_learners
     p.weights_ref, p.weights_digest = refs, digests
 
 
-def send_buckets_in_one_call(p: PolicyActors, version: int, sent: InFlight) -> None:
+def send_buckets_in_one_call(p: PolicyActors, version: int, sent: InFlight, offered: bool = False) -> None:
     """Under trainer.mode async: every bucket of rank 0's weights into the object store, then one
     load call per worker with all of them (fetched and loaded a bucket at a time inside the call),
     not awaited. One call, so no generation runs between two buckets on half-new weights; the cost
@@ -154,7 +168,7 @@ def send_buckets_in_one_call(p: PolicyActors, version: int, sent: InFlight) -> N
         refs.append(part)
         digests.append(checksums)
     for w in p.workers:
-        load = lambda w=w: w.load_weights.remote(version, refs, digests)  # noqa: E731
+        load = lambda w=w: weights_call(w, offered).remote(version, refs, digests)  # noqa: E731
         sent.add(load(), load)
     p.weights_ref, p.weights_digest = refs, digests
 
@@ -180,7 +194,8 @@ def asked_weights_ref(p: PolicyActors, version: int, from_learners: FromLearners
 class ObjectStoreSync:
     """`trainer.weight_sync: object_store` (and `auto` where no policy can share memory). Under
     `trainer.mode: async` a send does not wait for the one before (a worker loads it when its
-    generation in progress ends): the syncs already answered are settled, the others stay in flight."""
+    generation in progress ends, or under rollout.inflight_update continue between two of its decode
+    steps): the syncs already answered are settled, the others stay in flight."""
 
     def __init__(
         self,
@@ -189,9 +204,11 @@ class ObjectStoreSync:
         from_learners: FromLearners,
         bucket_mb: float,
         asynchronous: bool = False,
+        offered: bool = False,
     ):
+        """`offered`: rollout.inflight_update continue (the workers' `offer_weights`)."""
         self.policies, self.timeout, self.from_learners = policies, timeout, from_learners
-        self.version, self.in_flight, self.asynchronous = 0, [], asynchronous
+        self.version, self.in_flight, self.asynchronous, self.offered = 0, [], asynchronous, offered
         self.lock = threading.Lock()
         self.sends_with_step = not bucket_policies(policies, bucket_mb, from_learners)
 
@@ -203,7 +220,9 @@ class ObjectStoreSync:
         sent = InFlight(version, every_rank(self.policies))
         with self.lock:  # a readmit from the async producer reads the version and its weights together
             for p in self.policies.values():
-                send_through_object_store(p, version, sent, self.timeout, self.from_learners, self.asynchronous)
+                send_through_object_store(
+                    p, version, sent, self.timeout, self.from_learners, self.asynchronous, self.offered
+                )
             self.in_flight.append(sent)
             self.version = version
 
@@ -358,4 +377,5 @@ def make_weight_sync(cfg: JobConfig, policies: dict[str, PolicyActors], from_lea
     bucket_mb = cfg.trainer.sync_bucket_mb
     if any(p.shared is not None for p in policies.values()):
         return SharedMemorySync(policies, timeout, from_learners, bucket_mb)
-    return ObjectStoreSync(policies, timeout, from_learners, bucket_mb, cfg.trainer.mode == "async")
+    asynchronous, offered = cfg.trainer.mode == "async", cfg.rollout.inflight_update == "continue"
+    return ObjectStoreSync(policies, timeout, from_learners, bucket_mb, asynchronous, offered)

@@ -133,3 +133,89 @@ def test_partial_rollouts_keep_n_samples_per_request_in_order(one_torch_thread):
     for g in gens:
         assert 1 <= len(g.response_ids) <= 9 and len(g.logprobs) == len(g.token_versions) == len(g.response_ids)
         assert g.finish_reason == ("stop" if g.response_ids[-1] == 1 else "length")
+
+
+def test_continue_loads_new_weights_between_decode_steps_over_the_old_cache(one_torch_thread):
+    """rollout.inflight_update continue: new weights loaded after the 4th token are used from
+    the forward of that token on, attending to the keys and values the old weights wrote (kept,
+    not prefilled again): every later logprob is the newer model's over the old model's cache,
+    and each token records the version that sampled it."""
+    policy, newer = chunk_models()
+    reference = chunk_models()[0]  # the old weights, kept for the check (the backend's model changes)
+    backend = HFBackend("unused", model=policy)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    requests = [GenerationRequest([5, 6, 7], greedy), GenerationRequest([9, 3, 4, 8, 2], greedy)]
+    whole = backend.generate(requests)
+    calls = []
+
+    def weights_between_steps():  # called before the prefill and after each step's draw
+        calls.append(len(calls))
+        if len(calls) == 5:  # after the 4th token was drawn
+            backend.load_weights({k: v.numpy().copy() for k, v in newer.state_dict().items()})
+        return 0 if len(calls) < 5 else 1
+
+    continued = backend.generate(requests, weights_between_steps=weights_between_steps)
+    for request, first, g in zip(requests, whole, continued):
+        n = len(g.response_ids)
+        assert g.response_ids[:4] == first.response_ids[:4] and n > 5
+        assert g.token_versions == [0] * 4 + [1] * (n - 4)
+        tokens = torch.tensor([request.prompt_ids + g.response_ids])
+        p = len(request.prompt_ids)
+        with torch.no_grad():  # the old model over the prompt and 3 tokens, then the newer one over its cache
+            cache = reference(input_ids=tokens[:, : p + 3], use_cache=True).past_key_values
+            later = newer(input_ids=tokens[:, p + 3 : p + n - 1], cache=cache).logits[0].float()
+            fresh = newer(input_ids=tokens[:, : p + 4]).logits[0, -1].float()  # the prefix prefilled again
+        want = torch.log_softmax(later, -1).gather(-1, tokens[0, p + 4 : p + n, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(g.logprobs[4:]), want, atol=1e-4)
+        assert g.response_ids[4:] == later.argmax(-1).tolist()  # greedy under the newer model
+        assert abs(torch.log_softmax(fresh, -1)[g.response_ids[4]] - g.logprobs[4]) > 1e-3  # the old cache counts
+    assert len(calls) == 12  # one batch: once before the prefill, then after every step but the last
+
+
+def test_a_worker_takes_an_offer_during_its_generation_and_only_the_newest(one_torch_thread, tmp_path):
+    """The worker's side of continue: an offer while it is idle loads at once; one that arrives
+    during a generation (from another thread, as the actor's "weights" group calls it) loads at a
+    decode step boundary, the tokens before and after it marked with their versions; an offer
+    older than the weights held is dropped, and corrupt weights are refused before they load."""
+    import threading
+
+    import pytest
+
+    from actors.rollout import RolloutWorker
+    from rlsys.errors import WeightsCorrupt
+    from rlsys.models import save_model_dir
+    from rlsys.weight_digest import digest
+
+    policy, newer = chunk_models()
+    save_model_dir(policy, None, tmp_path / "policy")
+    worker = RolloutWorker(str(tmp_path / "policy"), inflight_update="continue")
+    weights = [{k: v.numpy().copy() for k, v in m.state_dict().items()} for m in (policy, newer)]
+    assert worker.offer_weights(1, weights[0], digest(weights[0])) == 1 and worker.version == 1  # idle: now
+    request = GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=400, temperature=0.0))
+    at_tenth_step, offered = threading.Event(), threading.Event()
+    between_steps = worker._take_offered
+
+    def held_at_the_tenth_step():  # the generation waits there until the offer is made
+        calls.append(None)
+        if len(calls) == 10:
+            at_tenth_step.set()
+            offered.wait(timeout=60)
+        return between_steps()
+
+    calls, out = [], []
+    worker._take_offered = held_at_the_tenth_step
+    generating = threading.Thread(target=lambda: out.extend(worker.generate([request])))
+    generating.start()
+    assert at_tenth_step.wait(timeout=60)
+    worker.offer_weights(2, weights[1], digest(weights[1]))  # the generation holds the model: it waits
+    assert worker.version == 1 and worker.offers.pending()
+    offered.set()
+    generating.join()
+    assert out[0].token_versions == [1] * 9 + [2] * 391  # loaded after the 9th token's draw
+    assert out[0].policy_version == 1 and worker.version == 2
+    versions = out[0].token_versions
+    worker.offer_weights(1, weights[0])  # older than held: not loaded
+    assert worker.version == 2 and worker.generate([request])[0].token_versions == [2] * len(versions)
+    with pytest.raises(WeightsCorrupt, match="version 3 arrived corrupt"):
+        worker.offer_weights(3, weights[0], digest(weights[1]))
+    assert worker.version == 2 and not worker.offers.pending()

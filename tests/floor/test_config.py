@@ -88,6 +88,14 @@ def test_overlapped_rollout_needs_an_algorithm_and_buffer_that_allow_it(extra, m
             ["buffer.max_staleness=2", "learner.lora.rank=4", "learner.zero_stage=3"],
             "with learner.lora under learner.zero_stage=3",
         ),
+        (
+            ["buffer.max_staleness=2", "rollout.inflight_update=continue", "rollout.decode=generate"],
+            r"continue loads weights between the lean decoder's steps: it needs rollout.decode=lean",
+        ),
+        (
+            ["buffer.max_staleness=2", "rollout.inflight_update=continue", "trainer.deterministic=true"],
+            r"continue: the decode step that new weights reach depends on timing",
+        ),
     ],
 )
 def test_async_mode_needs_stale_rows_a_bound_and_a_sync_that_does_not_wait_on_the_workers(extra, message):
@@ -102,6 +110,7 @@ def test_async_mode_needs_stale_rows_a_bound_and_a_sync_that_does_not_wait_on_th
         (["trainer.deterministic=true"], r"^config error: 'trainer.deterministic' applies to trainer.mode=async only"),
         (["trainer.staleness_policy=drop"], r"'trainer.staleness_policy' applies to trainer.mode=async only"),
         (["rollout.inflight_update=resume"], r"'rollout.inflight_update'=resume: weights change during a generation"),
+        (["rollout.inflight_update=continue"], r"'rollout.inflight_update'=continue: weights change during a"),
     ],
 )
 def test_the_async_keys_are_refused_outside_async(extra, message):

@@ -160,10 +160,12 @@ def placement_sync(run_dir) -> str:
     return json.loads((run_dir / "placement.json").read_text())["weight_sync"]
 
 
-def test_partial_rollouts_record_each_tokens_version_within_the_bound(ray_cluster, tmp_path):
+@pytest.mark.parametrize("inflight", [["resume", "rollout.inflight_chunk_tokens=2"], ["continue"]], ids=lambda v: v[0])
+def test_partial_rollouts_record_each_tokens_version_within_the_bound(ray_cluster, tmp_path, inflight):
     """rollout.inflight_update resume: responses generated in chunks of 2 tokens, each chunk by the
-    newest weights its worker holds; every token's version is recorded (the checkpointed batches
-    keep them) and no token is more than k versions behind when trained on."""
+    newest weights its worker holds; continue: new weights offered to a worker (its "weights"
+    concurrency group) load between two decode steps. Every token's version is recorded (the
+    checkpointed batches keep them) and no token is more than k versions behind when trained on."""
     from rlsys.experience import response_token_versions
     from rlsys.run.controller import Controller
 
@@ -171,7 +173,7 @@ def test_partial_rollouts_record_each_tokens_version_within_the_bound(ray_cluste
         "configs/quickstart.yaml",
         [*TINY_JOB, "rollout.max_new_tokens=6", "rollout.num_workers=2", "trainer.steps=4", "trainer.eval_every=0"]
         + ["trainer.mode=async", "buffer.max_staleness=1", "trainer.checkpoint_every=2"]
-        + ["rollout.inflight_update=resume", "rollout.inflight_chunk_tokens=2"]
+        + [f"rollout.inflight_update={inflight[0]}", *inflight[1:]]
         + [f"run.output_dir={tmp_path}", "run.name=partial"],
     )
     controller = Controller(cfg, tmp_path / "partial", progress=False)
