@@ -8,6 +8,7 @@ steps, the rows' staleness and the batches dropped.
 
     .venv/bin/python benchmarks/async.py          # sync, overlap, async k = 1 2 4, k = 2 partial/continue; seeds 0 1
     .venv/bin/python benchmarks/async.py --steps 6 --seeds 0 --warm runs/reasoning/policy_init
+    .venv/bin/python benchmarks/async.py --long-tail     # 2x1 ... 4x4 digits: responses of ~45-350 tokens
 
 Arguments with `=` override the config for every mode.
 """
@@ -41,6 +42,24 @@ MODES = {
 
 
 PHASES = ("generate", "reward", "reference", "train", "sync")
+# --long-tail: the shapes of the problems (digits of each factor) and their shares: most answers
+# short, a few several times longer (worked solutions of ~45, 95, 130, 200, 245 and 340 tokens)
+LONG_TAIL_MIX = {(2, 1): 0.3, (2, 2): 0.4, (3, 2): 0.15, (3, 3): 0.08, (4, 3): 0.04, (4, 4): 0.03}
+
+
+def long_tail_data(out: Path) -> list[str]:
+    """The long-tail problems written to OUT/data, and the overrides that train on them (longer
+    responses allowed; a shorter warm-up, its rows being longer)."""
+    from envs.datasets import write_rows
+    from envs.long_multiplication import generate
+
+    paths = {}
+    for split, rows in generate(4000, 200, mix=LONG_TAIL_MIX).items():
+        paths[split] = write_rows(rows, out / "data" / f"multiplication_{split}.jsonl")
+    return [f"task.train_path={paths['train']}", f"task.eval_path={paths['eval']}"] + [
+        "rollout.max_new_tokens=512",
+        "sft.steps=800",
+    ]
 
 
 def reasoning_bench():
@@ -76,6 +95,7 @@ def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict
         "heldout_greedy": accuracy,
         "train_reward_last_half": float(np.mean([r["reward/mean"] for r in rows[steps // 2 :]])),
         "response_length": float(np.mean([r["response_length"] for r in rows])),
+        "response_length_max": float(max(r["response_length/max"] for r in rows)),
         "staleness_mean": float(np.mean([r["staleness/mean"] for r in rows])),
         "staleness_max": float(max(r["staleness/max"] for r in rows)),
         "dropped_batches": float(rows[-1].get("staleness/dropped_batches", 0.0)),
@@ -90,8 +110,9 @@ def table(results: list[dict]) -> str:
     """One row per mode: means over seeds (and the range of samples/s)."""
     sync = np.mean([r["samples_per_s"] for r in results if r["mode"] == "sync"])
     lines = [
-        "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) | response tokens | "
-        "staleness mean / max | rows of 2+ versions | batches dropped | s a step: generate / train | wall s | seeds |",
+        "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) "
+        "| response tokens mean / max | staleness mean / max | rows of 2+ versions | batches dropped "
+        "| s a step: generate / train | wall s | seeds |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
@@ -100,9 +121,11 @@ def table(results: list[dict]) -> str:
             continue
         speed = [r["samples_per_s"] for r in rs]
         mean = lambda key: float(np.mean([r[key] for r in rs]))  # noqa: E731
+        longest = max(r["response_length_max"] for r in rs)
         lines.append(
             f"| {mode} | {np.mean(speed):.1f} ({min(speed):.1f}-{max(speed):.1f}) | {np.mean(speed) / sync:.2f}x "
-            f"| {mean('heldout_greedy'):.3f} | {mean('train_reward_last_half'):.3f} | {mean('response_length'):.0f} "
+            f"| {mean('heldout_greedy'):.3f} | {mean('train_reward_last_half'):.3f} "
+            f"| {mean('response_length'):.0f} / {longest:.0f} "
             f"| {mean('staleness_mean'):.2f} / {max(r['staleness_max'] for r in rs):.0f} | {mean('mixed_rows'):.2f} "
             f"| {sum(r['dropped_batches'] for r in rs):.0f} | {mean('generate_s'):.2f} / {mean('train_s'):.2f} "
             f"| {mean('wall_s'):.0f} | {len(rs)} |"
@@ -118,8 +141,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--steps", type=int, default=16, help="training steps per run (equal samples for every mode)")
     p.add_argument("--out", type=Path, default=Path("runs/bench-async"))
     p.add_argument("--warm", type=Path, help="a warmed-up policy dir to start from (a run's policy_init)")
+    p.add_argument("--long-tail", action="store_true", help="problems of 2x1 to 4x4 digits (LONG_TAIL_MIX)")
     args, overrides = p.parse_known_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.long_tail:
+        overrides = [*long_tail_data(args.out), *overrides]
     init_ray()
     bench = reasoning_bench()
     warm_dir = args.warm or bench.warm_policy(args.config, overrides, args.out)[0]

@@ -49,6 +49,31 @@ def warm_policy(config: str, overrides: list[str], out: Path) -> tuple[Path, flo
     return policy_dir, time.perf_counter() - start
 
 
+def teacher_from_warm(config: str, overrides: list[str], warm_dir: Path, out: Path, steps: int) -> Path:
+    """OPD's teacher (--methods opd): the warm policy given `steps` more warm-up steps on the correct
+    worked solutions only (the warm-up's quarter of flawed ones left out), saved once to OUT/teacher."""
+    import torch
+
+    from algorithms.sft import warmup
+    from rlsys.config import load_config
+    from rlsys.models import load_model, save_model_dir
+    from rlsys.run.controller import Controller
+
+    target = out / "teacher"
+    if (target / "config.json").exists():
+        return target
+    cfg = load_config(config, [*overrides, f"run.output_dir={out}", "run.name=teacher-data"])
+    shutil.rmtree(out / "teacher-data", ignore_errors=True)
+    shutil.copytree(warm_dir, out / "teacher-data" / "policy_init")
+    c = Controller(cfg, out / "teacher-data", progress=False)
+    c.prepare_policy()  # the task and the tokenizer, as every method's run has them
+    model = load_model(warm_dir)
+    torch.set_num_threads(2)
+    warmup(model, c.tokenizer, c.task, c.task.rows("train"), steps, cfg.sft.batch_size, cfg.sft.lr, cfg.run.seed + 1)
+    save_model_dir(model, c.tokenizer, target)
+    return target
+
+
 def start_method(config, overrides, method, seed, warm_dir, out):
     """A Controller of `method` and `seed` with its actors started from a copy of the warm policy
     (OUT/METHOD-sSEED/policy_init, which prepare_policy reuses: every method starts the same).
@@ -209,6 +234,13 @@ def main(argv: list[str]) -> None:
         help="one more method: ALGORITHM under the name LABEL, with its own --set LABEL:KEY=VALUE overrides "
         "(e.g. --variant grpo+cosine grpo --set 'grpo+cosine:task.shaping=[{cosine_length: {max_length: 128}}]')",
     )
+    p.add_argument(
+        "--teacher-steps",
+        type=int,
+        default=1000,
+        help="opd's teacher (unless --set opd:algorithm.teacher.path=DIR): the warm policy after this many more "
+        "warm-up steps on correct solutions only",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/bench-reasoning"))
     p.add_argument(
         "--warm", type=Path, help="a warmed-up policy dir to start from (a run's policy_init); default: warm up"
@@ -235,6 +267,16 @@ def main(argv: list[str]) -> None:
     else:
         warm_dir, warm_s = warm_policy(args.config, overrides, args.out)
         print(f"warm-up: {warm_s:.0f} s ({args.config} {' '.join(overrides)})", flush=True)
+    if "opd" in args.methods and not any(o.startswith("algorithm.teacher.path=") for o in per_method.get("opd", [])):
+        start = time.perf_counter()
+        teacher = teacher_from_warm(args.config, overrides, warm_dir, args.out, args.teacher_steps)
+        per_method.setdefault("opd", []).append(f"algorithm.teacher.path={teacher}")
+        judge = start_method(args.config, overrides, "grpo", 0, teacher, args.out / "teacher-eval")
+        try:
+            accuracy = judge.evaluate(greedy=True)["accuracy"]
+        finally:
+            judge.shutdown()
+        print(f"teacher: {teacher} ({time.perf_counter() - start:.0f} s), held-out greedy {accuracy:.3f}", flush=True)
     rerun = {(method, seed) for method in args.methods for seed in args.seeds}
     curves = {key: curve for key, curve in read_curves(args.with_curves).items() if key not in rerun}
     with (args.out / "reasoning.jsonl").open("w") as log:

@@ -16,6 +16,7 @@ Train and eval never share a problem. The same seed writes the same files:
 
     python -m envs.long_multiplication                     # configs/data/multiplication_{train,eval}.jsonl
     python -m envs.long_multiplication --digits 3 2 --train 2000 --out /tmp/mul
+    python -m envs.long_multiplication --mix 2x2:0.7 3x3:0.2 4x4:0.1 --out /tmp/mul   # lengths with a long tail
 """
 
 from __future__ import annotations
@@ -113,12 +114,37 @@ def row(a: int, b: int, rng: random.Random) -> dict:
     }
 
 
-def generate(n_train: int, n_eval: int, digits: tuple[int, int] = (2, 2), seed: int = 0) -> dict[str, list[dict]]:
-    """The train and eval rows (eval drawn first, train never among them)."""
+def generate(
+    n_train: int, n_eval: int, digits: tuple[int, int] = (2, 2), seed: int = 0, mix: dict | None = None
+) -> dict[str, list[dict]]:
+    """The train and eval rows (eval drawn first, train never among them). `mix`: {(A, B) digits:
+    share} instead of one `digits`, each shape's rows in its share of each split, shuffled."""
     rng = random.Random(seed)
-    held_out = problems(n_eval, digits, rng)
-    train = problems(n_train, digits, rng, exclude=set(held_out))
-    return {"train": [row(a, b, rng) for a, b in train], "eval": [row(a, b, rng) for a, b in held_out]}
+    shares = mix or {digits: 1.0}
+    splits = {"train": [], "eval": []}
+    for shape, share in shares.items():
+        held_out = problems(round(n_eval * share), shape, rng)
+        splits["eval"] += held_out
+        splits["train"] += problems(round(n_train * share), shape, rng, exclude=set(held_out))
+    if mix:
+        for pairs in splits.values():
+            rng.shuffle(pairs)
+    return {split: [row(a, b, rng) for a, b in pairs] for split, pairs in splits.items()}
+
+
+def digit_mix(specs: list[str]) -> dict[tuple[int, int], float]:
+    """'AxB:share' strings (e.g. 2x2:0.4) as {(A, B): share}, the shares summing to 1."""
+    mix = {}
+    for spec in specs:
+        try:
+            shape, share = spec.split(":")
+            a, b = shape.lower().split("x")
+            mix[(int(a), int(b))] = float(share)
+        except ValueError:
+            raise ValueError(f"--mix {spec!r}: write each as AxB:share, e.g. 2x2:0.4") from None
+    if abs(sum(mix.values()) - 1) > 1e-6:
+        raise ValueError(f"--mix shares sum to {sum(mix.values()):g}, not 1")
+    return mix
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,10 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train", type=int, default=4000, help="training problems")
     p.add_argument("--eval", type=int, default=200, help="held-out problems (never among the training ones)")
     p.add_argument("--digits", type=int, nargs=2, default=(2, 2), metavar=("A", "B"), help="digits of each factor")
+    p.add_argument("--mix", nargs="+", metavar="AxB:SHARE", help="several shapes in these shares, e.g. 2x2:0.6 4x4:0.4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("configs/data"), help="directory of the two .jsonl files")
     args = p.parse_args(argv)
-    for split, rows in generate(args.train, args.eval, tuple(args.digits), args.seed).items():
+    mix = digit_mix(args.mix) if args.mix else None
+    for split, rows in generate(args.train, args.eval, tuple(args.digits), args.seed, mix).items():
         print(write_rows(rows, args.out / f"multiplication_{split}.jsonl"))
 
 

@@ -129,10 +129,12 @@ def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) ->
     """What every step logs of its rows, its phases and its speed."""
     ctx = run.ctx
     rewards = np.asarray(table.column("reward").to_pylist())
+    lengths = [len(x) for x in table.column("response_ids").to_pylist()]
     metrics = {
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()),
-        "response_length": float(np.mean([len(x) for x in table.column("response_ids").to_pylist()])),
+        "response_length": float(np.mean(lengths)),
+        "response_length/max": float(max(lengths)),
         "policy_lag": float(lag.mean()) if len(lag) else 0.0,
         "samples": float(table.num_rows),
         "policy_version": float(ctx.policy_version),

@@ -79,6 +79,25 @@ def test_splits_are_disjoint_the_data_is_what_the_generator_writes_and_rows_say_
         assert row["flawed_solution"] == solution(a, b, row["flaw_step"])[0]
 
 
+def test_a_mix_of_shapes_keeps_its_shares_and_disjoint_splits_and_a_bad_mix_is_named():
+    import pytest
+
+    from envs.long_multiplication import digit_mix
+
+    mix = digit_mix(["2x2:0.7", "3x3:0.2", "4x4:0.1"])
+    rows = generate(100, 20, seed=2, mix=mix)
+    for split, n in (("train", 100), ("eval", 20)):
+        shapes = [tuple(len(x) for x in re.findall(r"\d+", r["prompt"][0]["content"])) for r in rows[split]]
+        assert {s: shapes.count(s) for s in set(shapes)} == {(2, 2): 0.7 * n, (3, 3): 0.2 * n, (4, 4): 0.1 * n}
+        assert shapes[: int(0.7 * n)] != [(2, 2)] * int(0.7 * n)  # shuffled, not in blocks
+    prompts = [{r["prompt"][0]["content"] for r in rows[split]} for split in ("train", "eval")]
+    assert not prompts[0] & prompts[1]
+    with pytest.raises(ValueError, match="shares sum to 0.9, not 1"):
+        digit_mix(["2x2:0.7", "3x3:0.2"])
+    with pytest.raises(ValueError, match=r"--mix '2by2:1': write each as AxB:share"):
+        digit_mix(["2by2:1"])
+
+
 def test_responses_split_into_several_vineppo_steps():
     rows = generate(50, 5, seed=3)["train"]
     counts = [len(split_steps(r["solution"])) for r in rows]
