@@ -44,7 +44,7 @@ MODES = {
 PHASES = ("generate", "reward", "reference", "train", "sync")
 # --long-tail: the shapes of the problems (digits of each factor) and their shares: most answers
 # short, a few several times longer (worked solutions of ~45, 95, 130, 200, 245 and 340 tokens)
-LONG_TAIL_MIX = {(2, 1): 0.3, (2, 2): 0.4, (3, 2): 0.15, (3, 3): 0.08, (4, 3): 0.04, (4, 4): 0.03}
+LONG_TAIL_MIX = {(2, 1): 0.15, (2, 2): 0.55, (3, 2): 0.15, (3, 3): 0.08, (4, 3): 0.04, (4, 4): 0.03}
 
 
 def long_tail_data(out: Path) -> list[str]:
