@@ -58,6 +58,7 @@ def long_tail_data(out: Path) -> list[str]:
         paths[split] = write_rows(rows, out / "data" / f"multiplication_{split}.jsonl")
     return [f"task.train_path={paths['train']}", f"task.eval_path={paths['eval']}"] + [
         "rollout.max_new_tokens=512",
+        "model.max_position_embeddings=640",
         "sft.steps=600",
     ]
 
