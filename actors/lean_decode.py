@@ -270,8 +270,9 @@ class LeanDecoder:
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
             k_cache[:, :, start:end] = qk[:, nh:].view(b, t, nkv, d).transpose(1, 2)
             v_cache[:, :, start:end] = qkv[:, nh + nkv :].view(b, t, nkv, d).transpose(1, 2)
-            if t == 1:  # [B*kv heads, grouped queries, d] against the kv head's cached keys (a view: the
-                # cache is the leading rows of contiguous buffers)
+            if mask.dim() == 3:  # a decode step (a 1-token prompt's prefill has the 4-d mask): [B*kv heads,
+                # grouped queries, d] against the kv head's cached keys (a view: the cache is the leading rows
+                # of contiguous buffers)
                 q = qk[:, :nh].reshape(b * nkv, nh // nkv, d)
                 keys, values = (c[:, :, :end].reshape(b * nkv, end, d) for c in (k_cache, v_cache))
                 scores = torch.baddbmm(mask, q, keys.transpose(1, 2))

@@ -219,3 +219,13 @@ def test_a_worker_takes_an_offer_during_its_generation_and_only_the_newest(one_t
     with pytest.raises(WeightsCorrupt, match="version 3 arrived corrupt"):
         worker.offer_weights(3, weights[0], digest(weights[1]))
     assert worker.version == 2 and not worker.offers.pending()
+
+
+def test_a_one_token_prompt_decodes_as_transformers_does(one_torch_thread):
+    """A prompt of a single token is a prefill of one position (its own mask), not a decode step."""
+    policy, _ = chunk_models()
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    lean = HFBackend("unused", model=policy).generate([GenerationRequest([5], params)])[0]
+    plain = HFBackend("unused", model=policy, decode="generate").generate([GenerationRequest([5], params)])[0]
+    assert lean.response_ids == plain.response_ids
+    assert torch.allclose(torch.tensor(lean.logprobs), torch.tensor(plain.logprobs), atol=1e-4)

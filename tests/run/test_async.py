@@ -188,3 +188,32 @@ def test_partial_rollouts_record_each_tokens_version_within_the_bound(ray_cluste
     row_versions = saved.column("policy_version").to_pylist()
     assert all(row == min(v) for row, v in zip(row_versions, versions) if v)  # a row's version: its oldest token's
     assert all(v == sorted(v) and min(v) >= 2 - 1 for v in versions if v)  # versions only grow along a response
+
+
+def test_a_rollout_actor_takes_weights_offered_in_the_middle_of_its_generation(ray_cluster, tmp_path):
+    """rollout.inflight_update continue through Ray: while the worker actor's generate call runs,
+    `offer_weights` in its "weights" concurrency group is answered at once, and the response's
+    tokens after a step boundary are the new version's (a plain actor would run it after)."""
+    from actors.rollout import RolloutWorker
+    from rlsys.generation import GenerationRequest, SamplingParams
+    from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir
+    from rlsys.weight_digest import digest
+
+    spec = TinyModelSpec(64, 32, 64, 2, 2, 1, max_position_embeddings=4200)
+    policy, newer = (build_tiny_model(spec, None, seed=s).eval() for s in (0, 1))
+    policy.config.eos_token_id, policy.config.pad_token_id = 1, 0
+    save_model_dir(policy, None, tmp_path / "policy")
+    worker = (
+        ray_cluster.remote(concurrency_groups={"weights": 1})(RolloutWorker)
+        .options(num_cpus=0)
+        .remote(str(tmp_path / "policy"), inflight_update="continue")
+    )
+    weights = {k: v.numpy().copy() for k, v in newer.state_dict().items()}
+    long = GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=4000, temperature=0.0))
+    ray_cluster.get(worker.generate.remote([GenerationRequest([5], SamplingParams(max_new_tokens=2))]))  # started
+    generating = worker.generate.remote([long])
+    time.sleep(0.3)  # well into its 4000 steps (a second or more)
+    offered = worker.offer_weights.options(concurrency_group="weights").remote(1, weights, digest(weights))
+    assert ray_cluster.get(offered, timeout=10) == 1
+    versions = ray_cluster.get(generating, timeout=300)[0].token_versions
+    assert len(versions) == 4000 and versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
