@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from contextlib import nullcontext
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -458,7 +459,7 @@ class RolloutWorker:
     def _take_offered(self) -> int:
         """Load the newest offered weights, if newer than the model's (the caller holds the model
         lock); the version the model now holds."""
-        offered = self.offers.take()
+        offered = self.offers.take() if self.offers.pending() else None  # once per decode step: no lock when none
         if offered is not None and offered[0] > self.version:
             version, parts = offered
             with torch.inference_mode(False):  # the decoder's steps run in inference mode; weights are not its
@@ -481,9 +482,8 @@ class RolloutWorker:
         `weights`: every tensor (a dict); or bucket (i, n) of a sync in buckets, some of them, the
         version changing with the last; or a list of bucket refs with their digests' refs (a
         restarted worker or an evaluator catching up), fetched and loaded one at a time."""
-        if self.offers is None:
-            return self._load_checked(version, weights, digest, bucket)
-        with self.offers.model_lock:  # an offer may be loading from the "weights" group
+        # under continue an offer may be loading from the "weights" group
+        with self.offers.model_lock if self.offers is not None else nullcontext():
             return self._load_checked(version, weights, digest, bucket)
 
     def _load_checked(self, version: int, weights, digest, bucket: tuple[int, int] | None) -> int:

@@ -71,7 +71,8 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     run.learner_group.step = run.step + 1  # the step a learner rank's death is reported in
     table = run.rollouts.take()
     lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
-    staleness = ctx.policy_version - np.asarray(list(chain.from_iterable(response_token_versions(table))), dtype=int)
+    versions = response_token_versions(table)  # each response token's policy version
+    staleness = ctx.policy_version - np.asarray(list(chain.from_iterable(versions)), dtype=int)
     # prepare: a batch per trained policy; None from the algorithm: no update for it this step
     with ctx.timed("prepare"):
         batches = {name: run.algorithm.prepare(rows) for name, rows in run.rows_per_policy(table).items()}
@@ -104,7 +105,9 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     metrics |= step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
     if "episode/correct" in metrics:  # an episode is right by its final answer, whatever its turns' rewards
         metrics["accuracy/train"] = metrics["episode/correct"]
-    metrics |= staleness_metrics(staleness) | mixed_version_rows(table) | run.rollouts.metrics()
+    per_token = "token_versions" in table.column_names  # rollout.inflight_update resume | continue
+    metrics |= staleness_metrics(staleness) | (mixed_version_rows(versions) if per_token else {})
+    metrics |= run.rollouts.metrics()
     return metrics, table, staleness
 
 
@@ -116,13 +119,12 @@ def staleness_metrics(staleness: np.ndarray) -> dict[str, float]:
     return {"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max())}
 
 
-def mixed_version_rows(table: pa.Table) -> dict[str, float]:
-    """Where rows record each token's version (rollout.inflight_update): `staleness/mixed_rows`,
-    the share of the step's rows whose tokens more than one policy version sampled."""
-    if "token_versions" not in table.column_names or not table.num_rows:
+def mixed_version_rows(versions: list[list[int]]) -> dict[str, float]:
+    """`staleness/mixed_rows`: the share of the step's rows whose tokens (`versions`: each row's
+    tokens' policy versions) more than one policy version sampled."""
+    if not versions:
         return {}
-    mixed = [len(set(v)) > 1 for v in response_token_versions(table)]
-    return {"staleness/mixed_rows": float(np.mean(mixed))}
+    return {"staleness/mixed_rows": float(np.mean([len(set(v)) > 1 for v in versions]))}
 
 
 def step_metrics(run, table, lag: np.ndarray, seconds: float, generated: int) -> dict[str, float]:
