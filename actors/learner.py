@@ -370,10 +370,10 @@ class Learner:
     def _per_response(self, table: pa.Table, output: int) -> list[list[float]]:
         """One of the module's outputs (1: logprobs, 2: values) at each response token."""
         self.engine.eval()
-        forward = lambda ids, mask, span: self.module(
-            ids.to(self.device), mask.to(self.device), self.temperature, span.to(self.device)
+        forward = lambda ids, mask, span, packed: self.module(
+            ids.to(self.device), mask.to(self.device), self.temperature, span.to(self.device), packed
         )[output]
-        return per_response_tokens(forward, table)
+        return per_response_tokens(forward, table, max_tokens=self.max_tokens_per_microbatch)
 
     @contextmanager
     def _full_policy(self):

@@ -3,6 +3,7 @@ state dicts, tied weights, in-place loads); the shared logprob forward lives in 
 
 from __future__ import annotations
 
+import itertools
 import os
 import types
 import warnings
@@ -16,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlsys.batch import collate, response_slices
 from rlsys.logprobs import response_logprobs
-from rlsys.packing import packed_logprobs
+from rlsys.packing import packed_logprobs, plan_microbatches
 
 
 def quiet_transformers() -> None:
@@ -309,19 +310,30 @@ def prompt_aligned_chunks(prompts: list, size: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0) -> list[list[float]]:
-    """Run `forward(input_ids, attention_mask, response_span) -> [B, L-1] tensor` over an
+def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0, max_tokens: int | None = None):
+    """Run `forward(input_ids, attention_mask, response_span, packed) -> [B, L-1] tensor` over an
     Experience table in chunks and cut each row's response span out of the result.
     `response_span` [B, L-1] is 1 at every response token's target index (environment tokens
-    of a multi-turn response included), so a forward may skip what lies before it."""
-    out: list[list[float]] = []
-    for start, stop in prompt_aligned_chunks(table.column("prompt_ids").to_pylist(), batch_size):
-        chunk = table.slice(start, stop - start)
+    of a multi-turn response included), so a forward may skip what lies before it. Chunks of
+    `batch_size` consecutive rows run padded (`packed` False); under `max_tokens` the rows go in
+    chunks of at most that many real tokens (`plan_microbatches`: a prompt group kept whole), each
+    run as one packed sequence (`packed` True): no padding, whatever the spread of lengths."""
+    prompts = table.column("prompt_ids").to_pylist()
+    if max_tokens is None:
+        chunks = [list(range(start, stop)) for start, stop in prompt_aligned_chunks(prompts, batch_size)]
+    else:
+        lengths = [len(p) + len(r) for p, r in zip(prompts, table.column("response_ids").to_pylist())]
+        groups = list(itertools.accumulate(int(i > 0 and p != prompts[i - 1]) for i, p in enumerate(prompts)))
+        chunks = plan_microbatches(lengths, groups, max_tokens)
+    out: list[list[float]] = [[] for _ in prompts]
+    for rows in chunks:
+        chunk = table.take(rows)
         batch = collate(chunk, pad_id)
         slices = response_slices(chunk)
         span = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
         for i, s in enumerate(slices):
             span[i, s] = 1.0
-        values = forward(batch.input_ids, batch.attention_mask, span)
-        out += [values[i, s].tolist() for i, s in enumerate(slices)]
+        values = forward(batch.input_ids, batch.attention_mask, span, max_tokens is not None)
+        for i, (row, s) in enumerate(zip(rows, slices)):
+            out[row] = values[i, s].tolist()
     return out

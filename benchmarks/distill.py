@@ -61,7 +61,7 @@ class LiveContext:
     def policy_logprobs(self, table):
         self.scored += table.num_rows
         self.student.eval()
-        out = per_response_tokens(lambda ids, mask, span: self.student(ids, mask, 1.0, span)[1], table)
+        out = per_response_tokens(lambda ids, mask, span, packed: self.student(ids, mask, 1.0, span, packed)[1], table)
         self.student.train()
         return out
 

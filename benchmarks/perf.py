@@ -332,7 +332,7 @@ class Bench:
         from rlsys.logprobs import forward_logprobs
 
         worker = ReferenceWorker(self.policy_dir)
-        plain = lambda ids, mask, span: forward_logprobs(worker.model, ids, mask)[1]  # noqa: E731
+        plain = lambda ids, mask, span, packed: forward_logprobs(worker.model, ids, mask)[1]  # noqa: E731
         for shots in (0, 8):
             table = self.step_table(shots)
             t_ours, t_plain = paired(

@@ -411,7 +411,8 @@ class LearnerConfig(Section):
         "response; a prompt group, e.g. a GRPO group or a preference pair, is never cut, and one larger than the "
         "budget goes alone), each packed into one sequence without padding; the gradients accumulate and each "
         "micro-batch's loss counts by its share of the minibatch's tokens (exact for token-mean losses); rows "
-        "sharing a prompt then each run it",
+        "sharing a prompt then each run it. The reference and a distillation teacher score in packed batches of "
+        "the same budget",
     )
     lora: LoraSettings = Field(LoraSettings(), description="LoRA adapters instead of full fine-tuning (rank 0: off)")
     offload: Literal["none", "optimizer", "params"] = Field(

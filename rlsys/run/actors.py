@@ -130,7 +130,9 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
         policies,
         reference=None
         if reference_on_learner(cfg, algorithm)
-        else ray.remote(ReferenceWorker).options(**service_options(cfg, 0.25)).remote(str(policy_dir), temperature),
+        else ray.remote(ReferenceWorker)
+        .options(**service_options(cfg, 0.25))
+        .remote(str(policy_dir), temperature, max_tokens_per_batch=l.max_tokens_per_microbatch),
         reward=start_reward_actor(
             cfg.reward, policy_dir, task, cfg.run.seed, cfg.sandbox, cfg.placement.services.resources
         ),

@@ -167,7 +167,9 @@ class Controller:
         if teacher_dir:
             temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
             self.ctx.teacher = (
-                ray.remote(ReferenceWorker).options(**service_options(cfg, 0.25)).remote(str(teacher_dir), temperature)
+                ray.remote(ReferenceWorker)
+                .options(**service_options(cfg, 0.25))
+                .remote(str(teacher_dir), temperature, max_tokens_per_batch=cfg.learner.max_tokens_per_microbatch)
             )
         if self.needs_sandbox:
             self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)

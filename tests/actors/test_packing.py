@@ -32,16 +32,34 @@ SPEC = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32: the same rows through other kernels and shapes
 
 
-def long_and_short_rows(seed: int = 0) -> TrainBatch:
-    """Four prompt groups of three rows, responses of 2 to 60 tokens (30x): 19, 88, 33 and 57
-    tokens a group."""
+def long_and_short_id_rows(seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Four prompt groups of three (prompt, response) rows, responses of 2 to 60 tokens (30x):
+    19, 88, 33 and 57 tokens a group."""
     g = torch.Generator().manual_seed(seed)
     groups = [(3, (2, 3, 5)), (5, (60, 4, 9)), (4, (12, 2, 7)), (6, (30, 6, 3))]
     rows = []
     for plen, lengths in groups:
         prompt = torch.randint(3, 64, (plen,), generator=g).tolist()
         rows += [(prompt, torch.randint(3, 64, (n,), generator=g).tolist()) for n in lengths]
+    return rows
+
+
+def long_and_short_rows(seed: int = 0) -> TrainBatch:
+    rows = long_and_short_id_rows(seed)
     return collate_ids([p for p, _ in rows], [r for _, r in rows])
+
+
+def long_and_short_table(seed: int = 0):
+    """`long_and_short_id_rows` as an Experience table (groups "0".."3")."""
+    from rlsys.experience import make_experience
+
+    rows = long_and_short_id_rows(seed)
+    return make_experience(
+        [
+            dict(uid=str(i), group=str(i // 3), prompt_ids=p, response_ids=r, logprobs=[], reward=0.0, policy_version=0)
+            for i, (p, r) in enumerate(rows)
+        ]
+    )
 
 
 def test_pack_and_unpack_round_trip():
@@ -250,12 +268,13 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
     model_dir = save_model_dir(build_tiny_model(TinyModelSpec(**SPEC), seed=3), None, tmp_path / "policy")
     policy = PolicyOnly(load_model(model_dir))
     batch = grpo_fields(long_and_short_rows(), policy, zero_group=2 if algorithm.startswith("grpo") else None)
+    table = long_and_short_table()  # scored before the steps: the learner's logprobs (values under PPO), packed or not
     make = {
         "grpo": lambda: GRPO(GRPO.Config(group_size=3, kl_coef=0.0)),
         "grpo_tis": lambda: GRPO(GRPO.Config(group_size=3, kl_coef=0.0, off_policy_correction="tis", is_cap=1.05)),
         "ppo": PPO,
     }[algorithm]
-    weights, metrics, calls = [], [], []
+    weights, metrics, calls, scored = [], [], [], []
     try:  # both learners in one process group
         for budget in (None, 80):
             learner = Learner(
@@ -267,6 +286,7 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
                 master_port=free_port(),
                 max_tokens_per_microbatch=budget,
             )
+            scored.append(learner.values(table) if algorithm == "ppo" else learner.logprobs(table))
             shapes = []
             learner.module.policy.register_forward_pre_hook(
                 lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
@@ -278,6 +298,8 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
         import deepspeed.comm
 
         deepspeed.comm.destroy_process_group()
+    for plain, packed in zip(*scored):
+        assert len(plain) == len(packed) and torch.allclose(torch.tensor(packed), torch.tensor(plain), **TIGHT)
     packed_calls = calls[1]
     assert all(shape[0] == 1 for shape in packed_calls)
     # micro-batches a step: 88 | 57 + 19 (the 33 left out); 88 | 19 and 57; 88 | 19 and 33 | 57
@@ -303,6 +325,28 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
     assert (gaps > 2e-4).mean() < 1e-4 and gaps.max() < 2 * 1e-2 and gaps.mean() < 2e-6
 
 
+def test_the_reference_scores_in_packed_batches_of_the_budget(tmp_path):
+    """A reference (or teacher) worker given max_tokens_per_batch=60 scores the rows in packed
+    sequences of at most 60 tokens, a prompt group whole (the 88-token group alone, over the
+    budget), each row once: its logprobs and top-k distributions are the padded worker's."""
+    from actors.reference import ReferenceWorker
+
+    model_dir = save_model_dir(build_tiny_model(TinyModelSpec(**SPEC), seed=4), None, tmp_path / "reference")
+    table = long_and_short_table()
+    padded, packed = ReferenceWorker(str(model_dir), 0.8), ReferenceWorker(str(model_dir), 0.8, max_tokens_per_batch=60)
+    shapes = []
+    record = lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape))  # noqa: E731
+    packed.model.register_forward_pre_hook(record, with_kwargs=True)
+    got, want = packed.logprobs(table), padded.logprobs(table)
+    assert sorted(shape[1] for shape in shapes) == [33 + 19, 57, 88]  # first-fit by size: 88 | 57 | 33 + 19
+    assert all(shape[0] == 1 for shape in shapes)
+    assert [len(r) for r in got] == [len(r) for r in table.column("response_ids").to_pylist()]
+    for a, b in zip(got, want):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), **TIGHT)
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(packed.top_logprobs(table, k=4), padded.top_logprobs(table, k=4)):
+        assert ids_a == ids_b and torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), **TIGHT)
+
+
 def test_the_config_key_defaults_off_and_reaches_the_learner():
     import inspect
 
@@ -315,3 +359,4 @@ def test_the_config_key_defaults_off_and_reaches_the_learner():
     assert cfg.learner.max_tokens_per_microbatch == 4096
     assert inspect.signature(Learner).parameters["max_tokens_per_microbatch"].default is None
     assert "max_tokens_per_microbatch=l.max_tokens_per_microbatch" in inspect.getsource(actors.start_actors)
+    assert "max_tokens_per_batch=l.max_tokens_per_microbatch" in inspect.getsource(actors.start_actors)  # the reference

@@ -399,7 +399,9 @@ class FakeContext:
 
         assert output == 1 or isinstance(module, PolicyWithValueHead), "values of a policy without a value head"
         module.eval()
-        return per_response_tokens(lambda ids, mask, span: module(ids, mask, self.temperature, span)[output], table)
+        return per_response_tokens(
+            lambda ids, mask, span, packed: module(ids, mask, self.temperature, span, packed)[output], table
+        )
 
 
 class ProtocolView:
