@@ -17,6 +17,7 @@ import copy
 import ipaddress
 import json
 import re
+import sys
 import types
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin
@@ -1135,7 +1136,9 @@ def config_reference(algorithms: Mapping[str, type]) -> str:
         "",
         "## Algorithms",
         "",
-        "`algorithm.name` picks one; its keys sit beside `name` in the `algorithm` section.",
+        "`algorithm.name` picks one; its keys sit beside `name` in the `algorithm` section. Naming another "
+        "algorithm on the command line than the file's (`algorithm.name=rloo` on a GRPO config) keeps the file's "
+        "keys the named one has and leaves out, naming them, those it lacks.",
         "",
     ]
     for name in sorted(algorithms):
@@ -1288,9 +1291,39 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+def without_keys_of_the_files_algorithm(written: dict, data: dict, overrides: list[str]) -> dict:
+    """`data` (the file's sections after the overrides) less the file's algorithm keys that the
+    algorithm named on the command line has no field for, when it names another algorithm than the
+    file does: each one left out is named on stderr, and that algorithm's defaults serve (a GRPO
+    file's group_size and kl_coef carry over to `algorithm.name=rloo`, its clip_eps does not). Keys
+    given on the command line stay, so a wrong one still fails."""
+    file_section, section = written.get("algorithm") or {}, data.get("algorithm")
+    if not isinstance(file_section, dict) or not isinstance(section, dict):
+        return data
+    name = section.get("name", "grpo")
+    if name == file_section.get("name", "grpo"):
+        return data
+    from algorithms.base import get_algorithm  # lazy: the algorithms import this module
+
+    try:
+        fields = get_algorithm(name).Config.model_fields
+    except KeyError:
+        return data  # build_algorithm names the unknown algorithm
+    given = {path[1] for path, _ in map(parse_override, overrides) if len(path) > 1 and path[0] == "algorithm"}
+    left_out = [key for key in section if key in file_section and key not in {"name", *fields, *given}]
+    if not left_out:
+        return data
+    print(
+        f"config: algorithm.name={name} leaves out the file's algorithm keys that {name} does not have: "
+        + ", ".join(left_out),
+        file=sys.stderr,
+    )
+    return {**data, "algorithm": {k: v for k, v in section.items() if k not in left_out}}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> JobConfig:
-    raw = load_yaml(path) if path is not None else (data or {})
-    raw = apply_overrides(raw, list(overrides))
+    written = load_yaml(path) if path is not None else (data or {})
+    raw = without_keys_of_the_files_algorithm(written, apply_overrides(written, list(overrides)), list(overrides))
     cfg = validate_section(JobConfig, raw)
     cfg.reward.function = cfg.reward.located_function(Path(path).parent if path is not None else None)
     cfg.env.name = cfg.env.located_name(Path(path).parent if path is not None else None)
