@@ -113,7 +113,8 @@ class ExperienceBuffer:
     def save(self, path: str | os.PathLike) -> None:
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        metadata = {**(self.table.schema.metadata or {}), b"batch_rows": json.dumps(self.batch_rows).encode()}
+        counts = {b"batch_rows": self.batch_rows, b"dropped_batches": self.dropped_batches}
+        metadata = {**(self.table.schema.metadata or {}), **{k: json.dumps(v).encode() for k, v in counts.items()}}
         pq.write_table(self.table.replace_schema_metadata(metadata), tmp)
         os.replace(tmp, path)
 
@@ -124,6 +125,7 @@ class ExperienceBuffer:
         if sum(batch_rows) not in (0, table.num_rows):
             raise ValueError(f"{path}: its batches hold {sum(batch_rows)} rows, the table {table.num_rows}")
         self.table, self.batch_rows = table.replace_schema_metadata(None), batch_rows
+        self.dropped_batches = json.loads((table.schema.metadata or {}).get(b"dropped_batches", b"0"))
         return table.num_rows
 
     def rng_state(self) -> dict:

@@ -148,7 +148,8 @@ class AsyncRollouts:
         self.cond = threading.Condition()
         self.produced = 0  # batches put in the buffer since the run began (a resumed run: since step 0)
         self.removed = 0  # batches taken from the buffer or dropped by it
-        self.dropped = 0
+        self.dropped = 0  # batches dropped since the run (or its resume) began
+        self.dropped_before = 0  # batches dropped before the checkpoint a resumed run began from
         self.version = 0  # the newest policy version sent to the workers
         self.busy = False  # a batch is being made
         self.paused = False
@@ -255,7 +256,7 @@ class AsyncRollouts:
         with self.cond:
             self.removed = step
             self.produced = step + buffer_stats["batches"]
-            self.dropped = 0
+            self.dropped, self.dropped_before = 0, buffer_stats["dropped_batches"]
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the producer; the batch in flight is finished first (its actors stay usable), or,
@@ -267,4 +268,5 @@ class AsyncRollouts:
             self.thread.join(timeout)
 
     def metrics(self) -> dict[str, float]:
-        return {"staleness/dropped_batches": float(self.dropped), "perf/queued_batches": float(self.queued_when_taken)}
+        dropped = self.dropped_before + self.dropped  # since step 0, a resume's checkpoint included
+        return {"staleness/dropped_batches": float(dropped), "perf/queued_batches": float(self.queued_when_taken)}

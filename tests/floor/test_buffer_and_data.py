@@ -166,7 +166,7 @@ def test_a_per_token_column_longer_than_its_response_is_named():
 
 def test_buffer_batches_come_out_whole_oldest_first_and_a_stale_one_is_dropped_whole(tmp_path):
     """Async mode's batches: taken whole in order; one holding a row more than max_staleness
-    versions behind is dropped whole and counted; the batches survive a parquet round trip."""
+    versions behind is dropped whole and counted; the batches and the count survive a parquet round trip."""
     buf = ExperienceBuffer(max_staleness=1)
     first = make_experience(rows(2, version=0) + rows(2, version=1, offset=2))  # oldest row at version 0
     buf.put_batch(first)
@@ -182,6 +182,12 @@ def test_buffer_batches_come_out_whole_oldest_first_and_a_stale_one_is_dropped_w
 
     with pytest.raises(ValueError, match="a rollout batch of 0 rows"):
         buf.put_batch(make_experience([]))
+
+    buf.put_batch(make_experience(rows(1, version=3, offset=20)))
+    buf.save(tmp_path / "after_a_drop.parquet")
+    resumed = ExperienceBuffer()
+    assert resumed.load(tmp_path / "after_a_drop.parquet") == 1
+    assert resumed.stats()["dropped_batches"] == 1  # the count goes on after a resume
 
     again = ExperienceBuffer(max_staleness=1)
     assert again.load(tmp_path / "b.parquet") == 7 and again.batches() == 2

@@ -126,8 +126,9 @@ def test_a_checkpoint_of_one_mode_is_not_resumed_in_the_other(ray_cluster):
     _, rollouts = producer(ray_cluster, 1, "wait", steps=4)
     with pytest.raises(CheckpointError, match="rows saved under trainer.mode sync/overlap"):
         rollouts.restored(2, {"size": 8, "batches": 0})
-    rollouts.restored(2, {"size": 8, "batches": 2})
+    rollouts.restored(2, {"size": 8, "batches": 2, "dropped_batches": 3})
     assert (rollouts.produced, rollouts.removed) == (4, 2)
+    assert rollouts.metrics()["staleness/dropped_batches"] == 3  # the checkpoint's count goes on
     with pytest.raises(CheckpointError, match="2 batches made ahead under trainer.mode=async"):
         rollouts.source.restored(2, {"size": 8, "batches": 2})
 
