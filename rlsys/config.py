@@ -83,8 +83,9 @@ Architecture = Literal["qwen2", "qwen3", "llama", "mistral", "phi3", "gemma"]
 class ModelConfig(Section):
     path: Optional[str] = Field(
         None,
-        description="local HF model dir to start from (its tokenizer too); null builds "
-        "a tiny model from the sizes below with a BPE tokenizer trained on the task's text",
+        description="local HF model dir to start from (its tokenizer too: it must have an eos token, and one "
+        "without a pad token pads with eos); null builds a tiny model from the sizes below with a BPE tokenizer "
+        "trained on the task's text",
     )
     architecture: Architecture = Field(
         "qwen2", description="the tiny model's transformers model type (with `path`: the directory's own)"

@@ -21,7 +21,7 @@ from typing import Iterable, get_args
 
 import torch
 
-from rlsys.config import Architecture
+from rlsys.config import Architecture, ConfigError
 from rlsys.quantize.slim_format import CONFIG_FILE as QUANTIZED_CONFIG
 from rlsys.quantize.slim_format import load_dense
 
@@ -156,6 +156,21 @@ def load_tokenizer(path: str | os.PathLike):
     if found is None:
         raise FileNotFoundError(f"no tokenizer.json in {path} (nor in {Path(path) / 'tokenizer'})")
     return PreTrainedTokenizerFast.from_pretrained(str(found))
+
+
+def load_policy_tokenizer(path: str | os.PathLike):
+    """The tokenizer of a policy a run starts from (`model.path`): a ConfigError when it has no eos
+    token (responses, warm-up targets and turns end with it); one without a pad token (Llama's,
+    Mistral's) pads with its eos, as transformers' own generation does."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"config error: model.path {path}: its tokenizer has no eos token (set eos_token in its "
+            "tokenizer_config.json): responses could not end"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def save_tokenizer(tokenizer, path: str | os.PathLike) -> Path:

@@ -30,7 +30,15 @@ from rlsys.contract import Algorithm, EvaluatesItself, HasOwnEpisodes, HasTeache
 from rlsys.errors import LearnerFailed, RunFailed, WeightSyncTimeout  # noqa: F401  (re-exported for tests and users)
 from rlsys.evaluators import AttachedEvaluators, EvalEpisodes, write_cluster_info
 from rlsys.generation import GenerationRequest
-from rlsys.models import TinyModelSpec, build_tiny_model, load_model, load_tokenizer, save_model_dir, train_tokenizer
+from rlsys.models import (
+    TinyModelSpec,
+    build_tiny_model,
+    load_model,
+    load_policy_tokenizer,
+    load_tokenizer,
+    save_model_dir,
+    train_tokenizer,
+)
 from rlsys.placement import placement_report, release_placement_groups, service_options
 from rlsys.prompts import context_length, prompt_ids
 from rlsys.run import checkpointing, loop
@@ -87,7 +95,7 @@ class Controller:
             fit_to_model(self.task, self.tokenizer, cfg, json.loads((init_dir / "config.json").read_text()))
             return init_dir
         if cfg.model.path:
-            model, tokenizer = load_model(cfg.model.path), load_tokenizer(cfg.model.path)
+            model, tokenizer = load_model(cfg.model.path), load_policy_tokenizer(cfg.model.path)
         else:
             tokenizer = train_tokenizer(self.task.corpus(), cfg.model.vocab_size)
             model = build_tiny_model(TinyModelSpec.from_config(cfg.model), tokenizer, seed=cfg.run.seed)

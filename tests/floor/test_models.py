@@ -5,6 +5,7 @@ from rlsys.models import (
     TinyModelSpec,
     build_tiny_model,
     load_model,
+    load_policy_tokenizer,
     load_tokenizer,
     num_parameters,
     save_model_dir,
@@ -29,6 +30,25 @@ def test_tokenizer_and_model_round_trip(tmp_path):
     x = torch.tensor([ids])
     with torch.no_grad():
         assert torch.equal(model(x).logits, model2(x).logits)
+
+
+def test_a_policy_tokenizer_without_eos_is_refused_and_one_without_pad_pads_with_eos(tmp_path):
+    """model.path's tokenizer: no eos token is a one-line config error naming the dir; no pad token
+    (Llama's, Mistral's) pads with eos, so rows of different lengths collate (the warm-up's batches)."""
+    from rlsys.batch import collate_ids
+    from rlsys.config import ConfigError
+
+    tok = train_tokenizer(TEXTS, vocab_size=300)
+    tok.pad_token = None
+    tok.save_pretrained(str(tmp_path / "no_pad"))
+    loaded = load_policy_tokenizer(tmp_path / "no_pad")
+    assert loaded.pad_token_id == loaded.eos_token_id == tok.eos_token_id
+    batch = collate_ids([[5, 6, 7], [5]], [[8], [9]], pad_id=loaded.pad_token_id)
+    assert batch.input_ids[1].tolist() == [5, 9, tok.eos_token_id, tok.eos_token_id]
+    tok.eos_token = None
+    tok.save_pretrained(str(tmp_path / "no_eos"))
+    with pytest.raises(ConfigError, match=r"model.path .*no_eos: its tokenizer has no eos token"):
+        load_policy_tokenizer(tmp_path / "no_eos")
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama", "mistral", "phi3", "gemma"])
