@@ -49,7 +49,8 @@ LONG_TAIL_MIX = {(2, 1): 0.15, (2, 2): 0.55, (3, 2): 0.15, (3, 3): 0.08, (4, 3):
 
 def long_tail_data(out: Path) -> list[str]:
     """The long-tail problems written to OUT/data, and the overrides that train on them (longer
-    responses allowed; a shorter warm-up, its rows being longer)."""
+    responses allowed; a shorter warm-up, its rows being longer; the learner and the reference in
+    packed micro-batches, which a tail would otherwise pad to its longest row)."""
     from envs.datasets import write_rows
     from envs.long_multiplication import generate
 
@@ -60,6 +61,7 @@ def long_tail_data(out: Path) -> list[str]:
         "rollout.max_new_tokens=512",
         "model.max_position_embeddings=640",
         "sft.steps=600",
+        "learner.max_tokens_per_microbatch=4096",
     ]
 
 
