@@ -6,7 +6,7 @@ machine's drift hits all of them. Prints one markdown table (also OUT/async.md; 
 OUT/async.jsonl): training samples/s and its ratio to sync, held-out greedy accuracy after the
 steps, the rows' staleness and the batches dropped.
 
-    .venv/bin/python benchmarks/async.py          # sync, overlap, async k = 1 2 4, k = 2 partial/continue; seeds 0 1
+    .venv/bin/python benchmarks/async.py   # sync (1- and 2-thread learner), overlap, async k = 1 2 4, partial/continue
     .venv/bin/python benchmarks/async.py --steps 6 --seeds 0 --warm runs/reasoning/policy_init
     .venv/bin/python benchmarks/async.py --long-tail     # 2x1 ... 4x4 digits: responses of ~45-350 tokens
 
@@ -31,6 +31,8 @@ from rlsys.cluster import init_ray  # noqa: E402  (before anything imports ray)
 
 MODES = {
     "sync": ["trainer.mode=sync"],
+    # sync's learner alone on the machine while it trains: both cores to it, as a sync user would set
+    "sync, 2-thread learner": ["trainer.mode=sync", "learner.threads=2"],
     "overlap": ["trainer.mode=overlap", "buffer.max_staleness=1"],
     "async k=1": ["trainer.mode=async", "buffer.max_staleness=1"],
     "async k=2": ["trainer.mode=async", "buffer.max_staleness=2"],
