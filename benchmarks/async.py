@@ -113,7 +113,8 @@ def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict
 
 def table(results: list[dict]) -> str:
     """One row per mode: means over seeds (and the range of samples/s)."""
-    sync = np.mean([r["samples_per_s"] for r in results if r["mode"] == "sync"])
+    synced = [r["samples_per_s"] for r in results if r["mode"] == "sync"]
+    sync = np.mean(synced) if synced else None  # the ratios' base, when this run has sync
     lines = [
         "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) "
         "| response tokens mean / max | staleness mean / max | rows of 2+ versions | batches dropped "
@@ -128,7 +129,8 @@ def table(results: list[dict]) -> str:
         mean = lambda key: float(np.mean([r[key] for r in rs]))  # noqa: E731
         longest = max(r["response_length_max"] for r in rs)
         lines.append(
-            f"| {mode} | {np.mean(speed):.1f} ({min(speed):.1f}-{max(speed):.1f}) | {np.mean(speed) / sync:.2f}x "
+            f"| {mode} | {np.mean(speed):.1f} ({min(speed):.1f}-{max(speed):.1f}) "
+            f"| {f'{np.mean(speed) / sync:.2f}x' if sync else '-'} "
             f"| {mean('heldout_greedy'):.3f} | {mean('train_reward_last_half'):.3f} "
             f"| {mean('response_length'):.0f} / {longest:.0f} "
             f"| {mean('staleness_mean'):.2f} / {max(r['staleness_max'] for r in rs):.0f} | {mean('mixed_rows'):.2f} "
