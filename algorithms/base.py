@@ -11,12 +11,13 @@ and `get_algorithm(name)` returns the class; `algorithm.name` in the config pick
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from rlsys.config import ConfigError, check_job, validate_section
+from rlsys.config import AlgorithmSection, ConfigError, check_job, validate_section
 from rlsys.contract import Prompt, RolloutContext
 from rlsys.experience import TOKEN_VERSIONS, make_experience, new_uid
 from rlsys.generation import GenerationRequest
@@ -49,11 +50,23 @@ def get_algorithm(name: str) -> type:
 
 def build_algorithm(cfg):
     """The algorithm a JobConfig names, its own keys validated (ConfigError names a bad one), and
-    the rules across sections checked (`rlsys.config.check_job`). Built once per command."""
+    the rules across sections checked (`rlsys.config.check_job`). Built once per command. Under
+    `algorithm.name=X` over a file written for another algorithm, the file's keys X has no field
+    for are left out of `cfg` (named on stderr; X's defaults serve, and the run's saved config has
+    X's keys only); keys given on the command line stay, so a wrong one still fails."""
     try:
         cls = get_algorithm(cfg.algorithm.name)
     except KeyError as e:
         raise ConfigError(f"config error: algorithm.name = {cfg.algorithm.name!r}: {e.args[0]}") from None
+    left_out = sorted(cfg.algorithm.written_for_another() - set(cls.Config.model_fields))
+    if left_out:  # `algorithm.name=X` over a file written for another algorithm: X's defaults serve
+        name = cfg.algorithm.name
+        print(
+            f"config: algorithm.name={name} leaves out the file's algorithm keys that {name} does not have: "
+            + ", ".join(left_out),
+            file=sys.stderr,
+        )
+        cfg.algorithm = AlgorithmSection(**{k: v for k, v in cfg.algorithm.model_dump().items() if k not in left_out})
     algorithm = cls(validate_section(cls.Config, cfg.algorithm_params(), prefix="algorithm"))
     check_job(cfg, algorithm)
     return algorithm

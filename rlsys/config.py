@@ -17,7 +17,6 @@ import copy
 import ipaddress
 import json
 import re
-import sys
 import types
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin
@@ -25,7 +24,7 @@ from urllib.parse import urlparse
 
 import annotated_types
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -941,6 +940,12 @@ class AlgorithmSection(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     name: str = Field("grpo", description="the algorithm (one of those below); its own keys sit beside name")
+    # the file's keys when the command line names another algorithm (`keys_written_for_another_algorithm`)
+    _written_for_another: set[str] = PrivateAttr(default_factory=set)
+
+    def written_for_another(self) -> set[str]:
+        """The keys a config file wrote for another algorithm than the one the command line names."""
+        return set(self._written_for_another)
 
 
 class JobConfig(Section):
@@ -1292,40 +1297,24 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def without_keys_of_the_files_algorithm(written: dict, data: dict, overrides: list[str]) -> dict:
-    """`data` (the file's sections after the overrides) less the file's algorithm keys that the
-    algorithm named on the command line has no field for, when it names another algorithm than the
-    file does: each one left out is named on stderr, and that algorithm's defaults serve (a GRPO
-    file's group_size and kl_coef carry over to `algorithm.name=rloo`, its clip_eps does not). Keys
-    given on the command line stay, so a wrong one still fails."""
-    file_section, section = written.get("algorithm") or {}, data.get("algorithm")
-    if not isinstance(file_section, dict) or not isinstance(section, dict):
-        return data
-    name = section.get("name", "grpo")
-    if name == file_section.get("name", "grpo"):
-        return data
-    from algorithms.base import get_algorithm  # lazy: the algorithms import this module
-
-    try:
-        fields = get_algorithm(name).Config.model_fields
-    except KeyError:
-        return data  # build_algorithm names the unknown algorithm
-    given = {path[1] for path, _ in map(parse_override, overrides) if len(path) > 1 and path[0] == "algorithm"}
-    left_out = [key for key in section if key in file_section and key not in {"name", *fields, *given}]
-    if not left_out:
-        return data
-    print(
-        f"config: algorithm.name={name} leaves out the file's algorithm keys that {name} does not have: "
-        + ", ".join(left_out),
-        file=sys.stderr,
-    )
-    return {**data, "algorithm": {k: v for k, v in section.items() if k not in left_out}}
+def keys_written_for_another_algorithm(written: dict, overrides: list[str]) -> set[str]:
+    """The file's algorithm keys not set on the command line, when the command line names another
+    algorithm than the file does (`algorithm.name=rloo` over a GRPO config): `build_algorithm`
+    leaves out, naming them, those the named algorithm has no field for."""
+    file_section = written.get("algorithm") or {}
+    parsed = [parse_override(o) for o in overrides]
+    named = next((value for path, value in reversed(parsed) if path == ["algorithm", "name"]), None)
+    whole = any(path == ["algorithm"] for path, _ in parsed)  # algorithm={...}: the file's section replaced
+    if not isinstance(file_section, dict) or whole or named in (None, file_section.get("name", "grpo")):
+        return set()
+    given = {path[1] for path, _ in parsed if len(path) > 1 and path[0] == "algorithm"}
+    return {key for key in file_section if key != "name" and key not in given}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), data: dict | None = None) -> JobConfig:
     written = load_yaml(path) if path is not None else (data or {})
-    raw = without_keys_of_the_files_algorithm(written, apply_overrides(written, list(overrides)), list(overrides))
-    cfg = validate_section(JobConfig, raw)
+    cfg = validate_section(JobConfig, apply_overrides(written, list(overrides)))
+    cfg.algorithm._written_for_another = keys_written_for_another_algorithm(written, list(overrides))
     cfg.reward.function = cfg.reward.located_function(Path(path).parent if path is not None else None)
     cfg.env.name = cfg.env.located_name(Path(path).parent if path is not None else None)
     return cfg

@@ -19,22 +19,27 @@ def test_quickstart_and_overrides():
 
 def test_naming_another_algorithm_leaves_out_the_files_keys_it_lacks(capsys):
     """`algorithm.name=X` over a file written for another algorithm: the file's keys X has no field
-    for are left out and named (X's defaults serve), the keys X shares are kept; a key given on the
-    command line that X lacks still fails, and the file's own algorithm keeps every key."""
+    for are left out and named when X is built (X's defaults serve, the saved config holds X's keys
+    only), the keys X shares are kept; a key given on the command line that X lacks still fails,
+    and the file's own algorithm keeps every key."""
+    from rlsys.config import dump_config
+
     cfg = load_config("configs/reasoning.yaml", ["algorithm.name=opd"])  # the file: grpo, group_size 8, kl_coef 0.01
-    assert cfg.algorithm_params() == {"group_size": 8}
+    assert build_algorithm(cfg).config.group_size == 8
+    assert cfg.algorithm_params() == {"group_size": 8} and "kl_coef" not in dump_config(cfg)
     assert "algorithm.name=opd leaves out the file's algorithm keys that opd does not have: kl_coef" in (
         capsys.readouterr().err
     )
-    assert build_algorithm(cfg).config.group_size == 8
-    assert load_config("configs/reasoning.yaml", ["algorithm.name=rloo"]).algorithm_params() == {
+    rloo = load_config("configs/reasoning.yaml", ["algorithm.name=rloo"])
+    assert build_algorithm(rloo).config.kl_coef == 0.01 and rloo.algorithm_params() == {
         "group_size": 8,
         "kl_coef": 0.01,
     }
     assert capsys.readouterr().err == ""
     with pytest.raises(ConfigError, match="algorithm.kl_coef"):
         build_algorithm(load_config("configs/reasoning.yaml", ["algorithm.name=opd", "algorithm.kl_coef=0.1"]))
-    assert load_config("configs/reasoning.yaml", ["algorithm.name=grpo"]).algorithm_params()["kl_coef"] == 0.01
+    grpo = load_config("configs/reasoning.yaml", ["algorithm.name=grpo"])  # the file's own: nothing left out
+    assert build_algorithm(grpo).config.kl_coef == 0.01 and grpo.algorithm.written_for_another() == set()
 
 
 @pytest.mark.parametrize(
