@@ -61,9 +61,11 @@ class InFlight:
         calls = [*self.acks, *self.gathered]
         return len(ray.wait(calls, num_returns=len(calls), timeout=0)[0]) == len(calls)
 
-    def wait(self, timeout: float, from_learners: FromLearners) -> None:
+    def wait(self, timeout: float, from_learners: FromLearners, superseded: bool = False) -> None:
         """Every acknowledgement; weights that arrived corrupt (WeightsCorrupt) are sent once more,
-        and a second failure ends the run with the worker's one line."""
+        and a second failure ends the run with the worker's one line. `superseded`: a newer sync is
+        already on its way to every worker (async), so corrupt weights are not sent again: a resend
+        would load after the newer ones and take the worker back a version."""
         from_learners(self.gathered)
         acknowledged(self.acks, self.version, timeout)
         for ack, resend in zip(self.acks, self.resends):
@@ -76,12 +78,26 @@ class InFlight:
                 learners_alive(self.learners, from_learners)
                 raise
             except WeightsCorrupt as e:
+                if superseded:
+                    cause = getattr(e, "cause", e)
+                    print(f"rlsys: {cause}; newer weights are on their way", file=sys.stderr, flush=True)
+                    continue
                 print(f"rlsys: {getattr(e, 'cause', e)}; sending them again", file=sys.stderr, flush=True)
                 try:
                     ray.get(acknowledged([resend()], self.version, timeout))
                 except WeightsCorrupt as again:
                     cause = getattr(again, "cause", again)
                     raise WeightsCorrupt(f"{cause} (twice: the run stopped)") from None
+
+
+def settle_in_order(
+    in_flight: list[InFlight], timeout: float, from_learners: FromLearners, finished_only: bool
+) -> None:
+    """Wait for the syncs in `in_flight`, oldest first, removing each (`finished_only`: just those
+    already answered); one with a newer sync behind it is settled as superseded (no resend)."""
+    while in_flight and not (finished_only and not in_flight[0].finished()):
+        oldest = in_flight.pop(0)
+        oldest.wait(timeout, from_learners, superseded=bool(in_flight))
 
 
 def learners_alive(learners: list, from_learners: FromLearners) -> None:
@@ -228,8 +244,7 @@ class ObjectStoreSync:
 
     def settle(self, finished_only: bool = False) -> None:
         """Wait for the syncs in flight, oldest first (`finished_only`: just those already answered)."""
-        while self.in_flight and not (finished_only and not self.in_flight[0].finished()):
-            self.in_flight.pop(0).wait(self.timeout, self.from_learners)
+        settle_in_order(self.in_flight, self.timeout, self.from_learners, finished_only)
 
     def readmit(self, policy: str, worker) -> None:
         p = self.policies[policy]

@@ -97,6 +97,35 @@ def test_object_store_weights_that_arrive_corrupt_are_sent_again_then_stop_the_r
     assert get(worker.policy_version.remote()) == 1
 
 
+def test_corrupt_weights_are_not_sent_again_once_newer_ones_are_on_their_way(ray_cluster, model_dir, capfd):
+    """Under async a sync is not awaited before the next: when version 1 arrived corrupt and
+    version 2 is already queued behind it, sending 1 again would load after 2 and take the worker
+    back a version. The superseded sync is settled without a resend; the worker holds 2."""
+    from actors.rollout import RolloutWorker
+    from rlsys.models import load_model
+    from rlsys.run.weight_sync import InFlight, settle_in_order
+
+    worker = ray_cluster.remote(RolloutWorker).remote(str(model_dir), index=4)
+    good = state_dict_numpy(load_model(model_dir))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    checksums = ray_cluster.put(digest(good))
+    corrupt, sent = ray_cluster.put(flipped(good, name)), ray_cluster.put(good)
+    get, resent = ray_cluster.get, []
+
+    first = InFlight(1)
+    first.add(worker.load_weights.remote(1, corrupt, checksums), lambda: resent.append(1))
+    second = InFlight(2)
+    second.add(worker.load_weights.remote(2, sent, checksums), lambda: resent.append(2))
+    in_flight = [first, second]
+    settle_in_order(in_flight, 60, get, finished_only=False)
+    assert in_flight == [] and resent == [] and get(worker.policy_version.remote()) == 2
+    assert "rollout worker 4: the weights of version 1 arrived corrupt" in capfd.readouterr().err
+    again = InFlight(3)
+    again.add(worker.load_weights.remote(3, corrupt, checksums), lambda: worker.load_weights.remote(3, sent, checksums))
+    again.wait(60, get)  # nothing newer on its way: sent once more, and loaded
+    assert get(worker.policy_version.remote()) == 3
+
+
 def test_a_bucket_that_arrives_corrupt_is_named_with_its_place_and_leaves_the_version(ray_cluster, model_dir):
     """A sync in buckets (trainer.sync_bucket_mb): each bucket is checked against its own
     checksums; the version moves only with the last bucket."""
