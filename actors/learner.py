@@ -34,7 +34,14 @@ from actors.modeling import (
 )
 from actors.shared_weights import SharedLayout, SharedWeights, remove_stale, shm_free_bytes, shm_path
 from actors.weight_broadcast import BroadcastGroup, weight_manifest
-from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs
+from rlsys.batch import TrainBatch
+from rlsys.contract import (
+    ModelOutputs,
+    SkipsRowsWithoutGradient,
+    TrainsOnStaleRows,
+    UsesProximalLogprobs,
+    loss_denominator,
+)
 from rlsys.logprobs import mismatch_metrics
 from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
 from rlsys.packing import microbatches
@@ -63,6 +70,13 @@ def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False, offl
     if offload == "params":
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     return config
+
+
+def micro_batch_weights(parts: list[TrainBatch], count, whole: TrainBatch) -> list[float]:
+    """Each micro-batch's `count` (what a mean divides by) over the whole minibatch's: the
+    weights under which the micro-batches' means sum to the minibatch's (equal when it is 0)."""
+    total = count(whole)
+    return [count(part) / total for part in parts] if total else [1.0 / len(parts)] * len(parts)
 
 
 def learner_device(prefer_cuda: bool = True) -> tuple[str, str]:
@@ -290,18 +304,18 @@ class Learner:
         """Forward and backward of one minibatch (its gradients, not yet the optimizer step), its
         loss times `scale`: one padded forward (rows sharing a prompt run it once), or under
         max_tokens_per_microbatch packed micro-batches (rlsys/packing.py), each micro-batch's loss
-        weighted by its share of the minibatch's tokens (the token mean over the whole minibatch)
-        and the gradients accumulated inside the engine up to its accumulation boundary at the
-        last. Returns (the loss's metrics and `loss`, token-weighted over the micro-batches; the
+        weighted by its denominator over the minibatch's (`loss_denominator`: the loss's mean over
+        the whole minibatch) and the gradients accumulated inside the engine up to its accumulation
+        boundary at the last. Returns (the loss's metrics and `loss`, so weighted; the
         sampler mismatch when `first`: the forwards before the step's first update, which then
         also give the proximal logprobs when `proximal`)."""
         packed = self.max_tokens_per_microbatch is not None
         parts = microbatches(mb, self.max_tokens_per_microbatch) if packed else [mb]
-        tokens = [part.num_tokens() for part in parts]
-        weights = [t / sum(tokens) for t in tokens] if sum(tokens) else [1.0 / len(parts)] * len(parts)
+        weights = micro_batch_weights(parts, partial(loss_denominator, self.algorithm), mb)
+        token_weights = micro_batch_weights(parts, TrainBatch.num_tokens, mb)
         metrics: dict[str, float] = defaultdict(float)
         mismatch: dict[str, float] = defaultdict(float)
-        for i, (part, weight) in enumerate(zip(parts, weights)):
+        for i, (part, weight, token_weight) in enumerate(zip(parts, weights, token_weights)):
             if packed:  # ZeRO-0..3 reduce (and may free) the accumulated gradients at the boundary only
                 self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
             logits, logprobs, values = self.engine(
@@ -310,7 +324,7 @@ class Learner:
             if first:
                 part.proximal_logprobs = logprobs.detach() if proximal else None
                 for k, v in mismatch_metrics(logprobs, part.old_logprobs, part.response_mask).items():
-                    mismatch[k] += weight * v
+                    mismatch[k] += token_weight * v  # token means
             loss, part_metrics = self.algorithm.loss(ModelOutputs(logits, logprobs, values), part)
             loss = loss * (scale * weight) if scale * weight != 1.0 else loss
             self.engine.backward(loss)

@@ -30,7 +30,14 @@ from pydantic import Field, model_validator
 from algorithms.base import register, set_rewards
 from algorithms.pilaf import GroupedBatch
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics, Stateful
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    AveragesLossOver,
+    ModelOutputs,
+    ReportsPrepareMetrics,
+    Stateful,
+)
 from rlsys.experience import make_experience, new_uid
 from rlsys.generation import GenerationRequest
 
@@ -132,8 +139,13 @@ def group_contrastive_loss(scores: torch.Tensor, positive: torch.Tensor, weights
     return (per_group * weights).sum() / weights.sum().clamp(min=1.0)
 
 
+def subset_weights(batch: TrainBatch, subset_size: int) -> torch.Tensor:
+    """Each subset's weight in the loss (its rows' `group_weight`), [B / subset_size]."""
+    return batch.extras["group_weight"].view(-1, subset_size)[:, 0]
+
+
 @register("ampo")
-class AMPO(Algorithm, Stateful, ReportsPrepareMetrics):
+class AMPO(Algorithm, Stateful, ReportsPrepareMetrics, AveragesLossOver):
     Config = AMPOConfig
     needs_value_head = False
 
@@ -207,14 +219,17 @@ class AMPO(Algorithm, Stateful, ReportsPrepareMetrics):
         spread = [rewards[groups == g].max() > rewards[groups == g].min() for g in np.unique(groups)]
         return {"ampo/groups_with_signal": float(np.mean(spread))}
 
+    def loss_denominator(self, batch: TrainBatch) -> float:
+        weights = subset_weights(batch, self.config.subset_size)
+        return float(weights.sum().clamp(min=1.0))  # as group_contrastive_loss divides
+
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         K, mask = self.config.subset_size, batch.response_mask
         mean_logprob = (outputs.logprobs * mask).sum(1) / mask.sum(1).clamp(min=1.0)
         scores = (self.config.beta * mean_logprob + batch.extras["reward_offset"]).view(-1, K)
         positive = torch.zeros_like(scores, dtype=torch.bool)
         positive[:, 0] = True
-        weights = batch.extras["group_weight"].view(-1, K)[:, 0]
-        loss = group_contrastive_loss(scores, positive, weights)
+        loss = group_contrastive_loss(scores, positive, subset_weights(batch, K))
         with torch.no_grad():
             margin = scores[:, 0] - scores[:, 1:].max(1).values
         return loss, {

@@ -44,6 +44,7 @@ from algorithms.common import (
 from rlsys.batch import TrainBatch, collate
 from rlsys.contract import (
     Algorithm,
+    AveragesLossOver,
     ModelOutputs,
     PlaysEpisodes,
     ReportsPrepareMetrics,
@@ -96,7 +97,13 @@ class GRPOConfig(OffPolicyCorrectionConfig):
 
 @register("grpo")
 class GRPO(
-    Algorithm, ReportsPrepareMetrics, SkipsRowsWithoutGradient, TrainsOnStaleRows, UsesProximalLogprobs, PlaysEpisodes
+    Algorithm,
+    ReportsPrepareMetrics,
+    SkipsRowsWithoutGradient,
+    AveragesLossOver,
+    TrainsOnStaleRows,
+    UsesProximalLogprobs,
+    PlaysEpisodes,
 ):
     Config = GRPOConfig
     needs_value_head = False
@@ -124,6 +131,11 @@ class GRPO(
 
     def proximal_logprobs_needed(self) -> bool:
         return self.config.off_policy_correction != "none"
+
+    def loss_denominator(self, batch: TrainBatch) -> float:
+        """token_mean: the response tokens; constant: B * max_tokens."""
+        c = self.config
+        return len(batch) * c.max_tokens if c.loss_normalizer == "constant" else float(batch.num_tokens())
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         c = self.config

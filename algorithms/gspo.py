@@ -34,6 +34,7 @@ from rlsys.batch import TrainBatch
 from rlsys.contract import (
     Algorithm,
     AlgorithmConfig,
+    AveragesLossOver,
     ModelOutputs,
     PlaysEpisodes,
     ReportsPrepareMetrics,
@@ -90,7 +91,7 @@ def row_advantages(batch: TrainBatch) -> torch.Tensor:
 
 
 @register("gspo")
-class GSPO(Algorithm, ReportsPrepareMetrics, TrainsOnStaleRows, PlaysEpisodes):
+class GSPO(Algorithm, ReportsPrepareMetrics, AveragesLossOver, TrainsOnStaleRows, PlaysEpisodes):
     Config = GSPOConfig
     needs_value_head = False
 
@@ -105,6 +106,9 @@ class GSPO(Algorithm, ReportsPrepareMetrics, TrainsOnStaleRows, PlaysEpisodes):
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
+
+    def loss_denominator(self, batch: TrainBatch) -> float:
+        return float(len(batch))  # a mean over responses
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         c, mask = self.config, batch.response_mask

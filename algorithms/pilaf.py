@@ -29,7 +29,7 @@ from pydantic import Field
 from algorithms.base import register, score_and_ref_logprobs, set_rewards, set_token_column
 from algorithms.common import masked_sum
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, ReportsPrepareMetrics
+from rlsys.contract import Algorithm, AlgorithmConfig, AveragesLossOver, ModelOutputs, ReportsPrepareMetrics
 from rlsys.experience import make_experience, meta_of, new_uid
 from rlsys.generation import GenerationRequest, Interpolation
 
@@ -104,8 +104,13 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
     return masked_sum(losses, weights) / weights.sum().clamp(min=1.0), margins
 
 
+def pair_weights(batch: TrainBatch) -> torch.Tensor:
+    """Each [chosen, rejected] pair's weight (0: a tie), [B / 2]."""
+    return batch.extras["pair_weight"][0::2]
+
+
 @register("pilaf")
-class PILAF(Algorithm, ReportsPrepareMetrics):
+class PILAF(Algorithm, ReportsPrepareMetrics, AveragesLossOver):
     Config = PILAFConfig
     needs_value_head = False
 
@@ -176,11 +181,14 @@ class PILAF(Algorithm, ReportsPrepareMetrics):
                 out[f"pilaf/reward_{sampler}"] = float(np.mean(mine))
         return out
 
+    def loss_denominator(self, batch: TrainBatch) -> float:
+        return float(pair_weights(batch).sum().clamp(min=1.0))  # as dpo_loss divides
+
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         mask = batch.response_mask
         policy = sequence_logprobs(outputs.logprobs, mask)
         ref = sequence_logprobs(batch.ref_logprobs, mask)
-        weights = batch.extras["pair_weight"][0::2]
+        weights = pair_weights(batch)
         loss, margins = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], self.config.beta, weights)
         decisive = weights > 0
         margins = margins.detach()[decisive]

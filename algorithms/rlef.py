@@ -48,6 +48,7 @@ from rlsys.contract import (
     HasOwnEpisodes,
     ModelOutputs,
     ReportsPrepareMetrics,
+    UnpackedOnly,
 )
 from rlsys.experience import meta_of
 
@@ -138,7 +139,7 @@ def capped_importance_weight(old_logprobs: torch.Tensor, behaviour_logprobs: tor
 
 
 @register("rlef")
-class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics, HasOwnEpisodes):
+class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics, HasOwnEpisodes, UnpackedOnly):
     Config = RLEFConfig
     needs_value_head = True
 

@@ -28,7 +28,14 @@ from pydantic import Field
 from algorithms.base import register, rewards_of, sample_groups
 from algorithms.common import broadcast_to_tokens, group_stats, rloo_advantages
 from rlsys.batch import TrainBatch, collate
-from rlsys.contract import Algorithm, AlgorithmConfig, ModelOutputs, PlaysEpisodes, ReportsPrepareMetrics
+from rlsys.contract import (
+    Algorithm,
+    AlgorithmConfig,
+    AveragesLossOver,
+    ModelOutputs,
+    PlaysEpisodes,
+    ReportsPrepareMetrics,
+)
 
 
 class RLOOConfig(AlgorithmConfig):
@@ -67,7 +74,7 @@ def reinforce_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch
 
 
 @register("rloo")
-class RLOO(Algorithm, ReportsPrepareMetrics, PlaysEpisodes):
+class RLOO(Algorithm, ReportsPrepareMetrics, AveragesLossOver, PlaysEpisodes):
     Config = RLOOConfig
     needs_value_head = False
 
@@ -91,6 +98,9 @@ class RLOO(Algorithm, ReportsPrepareMetrics, PlaysEpisodes):
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
+
+    def loss_denominator(self, batch: TrainBatch) -> float:
+        return float(len(batch))  # B, every row
 
     def loss(self, outputs: ModelOutputs, batch: TrainBatch):
         loss = reinforce_loss(outputs.logprobs, batch.advantages, batch.response_mask)

@@ -411,8 +411,9 @@ class LearnerConfig(Section):
         "minibatch, still one optimizer step, runs in micro-batches of at most this many real tokens (prompt + "
         "response; a prompt group, e.g. a GRPO group or a preference pair, is never cut, and one larger than the "
         "budget goes alone), each packed into one sequence without padding; the gradients accumulate and each "
-        "micro-batch's loss counts by its share of the minibatch's tokens (exact for token-mean losses); rows "
-        "sharing a prompt then each run it. The reference and a distillation teacher score in packed batches of "
+        "micro-batch's loss counts by its share of what the loss averages over (the minibatch's response tokens, or "
+        "the algorithm's loss_denominator: the whole minibatch's gradient); rows sharing a prompt then each run "
+        "it. The reference and a distillation teacher score in packed batches of "
         "the same budget",
     )
     lora: LoraSettings = Field(LoraSettings(), description="LoRA adapters instead of full fine-tuning (rank 0: off)")
@@ -999,6 +1000,8 @@ CROSS_SECTION_RULES = (
     "`rollout.backend: hf` and a `trainer.weight_sync` other than `broadcast`.",
     "`task.shaping` needs `reward.source: rule`: it shapes the task's rule reward or a `reward.function`'s (a "
     "reward >= 1 counts as correct), not a reward model's, a judge's or a reward server's score.",
+    "`learner.max_tokens_per_microbatch` needs an algorithm whose loss one weight per packed micro-batch keeps "
+    "exact (every algorithm but {unpacked}).",
     "`learner.lora.rank > 0` with `rollout.backend: vllm` needs a `trainer.weight_sync` other than `broadcast`: the "
     "engine serves the adapters as a LoRA request read from a directory, not loaded in place.",
     "`env.name` (multi-turn episodes) needs an algorithm whose rollout plays them ({episodes}), no `task.shaping` "
@@ -1013,7 +1016,7 @@ def check_job(cfg: JobConfig, algorithm) -> None:
     section is that section's validator. `build_algorithm` calls this, so every command that
     builds the algorithm checks them before any actor starts."""
     # here, not at the top: rlsys.contract imports torch, which loading a config does not need
-    from rlsys.contract import PlaysEpisodes, TrainsOnStaleRows, policy_names
+    from rlsys.contract import PlaysEpisodes, TrainsOnStaleRows, UnpackedOnly, policy_names
 
     name = cfg.algorithm.name
     mode = cfg.trainer.mode
@@ -1082,6 +1085,12 @@ def check_job(cfg: JobConfig, algorithm) -> None:
             "config error: 'learner.lora' with rollout.backend=vllm: the engine serves the adapters as a LoRA "
             "request from a directory, so trainer.weight_sync must be object_store or shared_memory, not broadcast"
         )
+    if cfg.learner.max_tokens_per_microbatch is not None and isinstance(algorithm, UnpackedOnly):
+        raise ConfigError(
+            f"config error: 'learner.max_tokens_per_microbatch'={cfg.learner.max_tokens_per_microbatch}: algorithm "
+            f"'{name}' adds loss means over different units, which packed micro-batches cannot weigh exactly "
+            "(allowed: null)"
+        )
     if cfg.env.name is not None:
         if not isinstance(algorithm, PlaysEpisodes):
             raise ConfigError(
@@ -1122,8 +1131,9 @@ def config_reference(algorithms: Mapping[str, type]) -> str:
     algorithm with its Config's keys. `algorithms`: registered name -> algorithm class, as
     `algorithms.base` has them (passed in: the floor never imports algorithms)."""
     # here, not at the top: rlsys.contract imports torch, which loading a config does not need
-    from rlsys.contract import PlaysEpisodes, TrainsOnStaleRows
+    from rlsys.contract import PlaysEpisodes, TrainsOnStaleRows, UnpackedOnly
 
+    unpacked = ", ".join(n for n in sorted(algorithms) if issubclass(algorithms[n], UnpackedOnly))
     stale = ", ".join(n for n in sorted(algorithms) if issubclass(algorithms[n], TrainsOnStaleRows))
     episodes = ", ".join(n for n in sorted(algorithms) if issubclass(algorithms[n], PlaysEpisodes))
     sections = " · ".join(f"[{t}](#{_anchor(t)})" for t in [*JobConfig.model_fields, "rules across sections"])
@@ -1137,7 +1147,7 @@ def config_reference(algorithms: Mapping[str, type]) -> str:
         "Checked by `check_job` (`rlsys/config.py`) when the algorithm is built, before any actor starts:",
         "",
     ]
-    out += [f"- {rule.format(stale=stale, episodes=episodes)}" for rule in CROSS_SECTION_RULES]
+    out += [f"- {rule.format(stale=stale, episodes=episodes, unpacked=unpacked)}" for rule in CROSS_SECTION_RULES]
     out += [
         "",
         "## Algorithms",

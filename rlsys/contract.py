@@ -122,6 +122,16 @@ class SkipsRowsWithoutGradient(Protocol):
 
 
 @runtime_checkable
+class AveragesLossOver(Protocol):
+    """`loss_denominator(batch) -> float`: what the loss divides its sum by on `batch` when it is
+    not the response tokens (rows for a mean over responses, the pairs' weights for a weighted mean
+    over pairs). The learner's packed micro-batches (learner.max_tokens_per_microbatch) each count
+    by their denominator over the minibatch's, so the gradients they accumulate are the minibatch's."""
+
+    def loss_denominator(self, batch: TrainBatch) -> float: ...
+
+
+@runtime_checkable
 class EvaluatesItself(Protocol):
     """Measures held-out metrics its own way (RLEF: multi-turn episodes, 1@3); returns at least
     `accuracy`."""
@@ -193,6 +203,12 @@ class PlaysEpisodes:
     per-turn `token_rewards`)."""
 
 
+class UnpackedOnly:
+    """A marker: the loss adds means over different units (RLEF: its policy term over response
+    tokens, its value term over turns), which no one weight per packed micro-batch keeps exact, so
+    `learner.max_tokens_per_microbatch` is refused for it."""
+
+
 class MovesReference:
     """A marker: the KL anchor moves during the run (`ctx.anchor_reference` loads the current
     policy into it), so under learner.lora the reference stays a worker of its own instead of the
@@ -203,6 +219,7 @@ CAPABILITIES: tuple[type, ...] = (
     Stateful,
     ReportsPrepareMetrics,
     SkipsRowsWithoutGradient,
+    AveragesLossOver,
     EvaluatesItself,
     HasWarmupTask,
     HasTeacher,
@@ -212,6 +229,7 @@ CAPABILITIES: tuple[type, ...] = (
     TrainsOnStaleRows,
     PlaysEpisodes,
     HasOwnEpisodes,
+    UnpackedOnly,
     MovesReference,
 )
 
@@ -219,6 +237,14 @@ CAPABILITIES: tuple[type, ...] = (
 def policy_names(algorithm: Algorithm) -> tuple[str, ...]:
     """The policies an algorithm trains, the run's policy first (most train one: "policy")."""
     return tuple(algorithm.policy_names) if isinstance(algorithm, TrainsSeveralPolicies) else ("policy",)
+
+
+def loss_denominator(algorithm: Algorithm, batch: TrainBatch) -> float:
+    """What `algorithm`'s loss averages over on `batch`: its `AveragesLossOver` denominator, else
+    the response tokens."""
+    if isinstance(algorithm, AveragesLossOver):
+        return float(algorithm.loss_denominator(batch))
+    return float(batch.num_tokens())
 
 
 def algorithm_state(algorithm: Algorithm) -> dict:

@@ -220,14 +220,18 @@ def grpo_fields(batch: TrainBatch, policy, seed: int = 0, zero_group: int | None
     return batch
 
 
-def test_token_weighted_micro_batch_losses_accumulate_the_minibatch_gradient():
-    """GRPO's token-mean loss: the packed micro-batches' losses, each times its share of the
-    minibatch's tokens, sum to the whole minibatch's padded loss, and their accumulated
-    gradients are its gradient."""
+@pytest.mark.parametrize("normalizer", ["token_mean", "constant"])
+def test_weighted_micro_batch_losses_accumulate_the_minibatch_gradient(normalizer):
+    """GRPO's token-mean loss and Dr.GRPO's (each response's token sum over a constant, averaged
+    over the responses): the packed micro-batches' losses, each times its share of what the loss
+    averages over (the minibatch's tokens; its responses), sum to the whole minibatch's padded
+    loss, and their accumulated gradients are its gradient."""
+    from actors.learner import micro_batch_weights
     from algorithms.grpo import GRPO
-    from rlsys.contract import ModelOutputs
+    from rlsys.contract import ModelOutputs, loss_denominator
 
-    algo = GRPO(GRPO.Config(group_size=3, kl_coef=0.0))
+    constant = {"max_tokens": 64} if normalizer == "constant" else {}
+    algo = GRPO(GRPO.Config(group_size=3, kl_coef=0.0, loss_normalizer=normalizer, **constant))
     policy = PolicyOnly(build_tiny_model(TinyModelSpec(**SPEC), seed=3).train())
     batch = grpo_fields(long_and_short_rows(), policy)
     params = list(policy.parameters())
@@ -236,10 +240,13 @@ def test_token_weighted_micro_batch_losses_accumulate_the_minibatch_gradient():
     want = torch.autograd.grad(whole, params)
     parts = microbatches(batch, 80)
     assert len(parts) == 3 and max(len(p) for p in parts) == 6  # 88 | 57 + 19 | 33
+    weights = micro_batch_weights(parts, lambda b: loss_denominator(algo, b), batch)
+    shares = [len(p) / len(batch) if normalizer == "constant" else p.num_tokens() / batch.num_tokens() for p in parts]
+    assert weights == pytest.approx(shares)
     total, got = 0.0, [torch.zeros_like(p) for p in params]
-    for part in parts:
+    for part, weight in zip(parts, weights):
         logits, logprobs, _ = policy(part.input_ids, part.attention_mask, 1.0, part.response_mask, packed=True)
-        loss = algo.loss(ModelOutputs(logits, logprobs), part)[0] * (part.num_tokens() / batch.num_tokens())
+        loss = algo.loss(ModelOutputs(logits, logprobs), part)[0] * weight
         total += loss.item()
         for acc, grad in zip(got, torch.autograd.grad(loss, params)):
             acc += grad

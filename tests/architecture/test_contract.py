@@ -36,6 +36,8 @@ from rlsys.contract import (
     SkipsRowsWithoutGradient,
     Stateful,
     TrainsSeveralPolicies,
+    UnpackedOnly,
+    loss_denominator,
     policy_names,
 )
 from rlsys.models import TinyModelSpec, build_tiny_model, save_model_dir, train_tokenizer
@@ -485,6 +487,46 @@ def assert_trains(algo, module, batch, temperature: float, where: str) -> None:
     assert any(bool(g.abs().sum() > 0) for g in grads), f"{where}: no parameter got a gradient"
 
 
+def assert_packs_exactly(algo, module, batch, temperature: float, where: str) -> None:
+    """The learner's packed micro-batches (learner.max_tokens_per_microbatch; here each prompt
+    group alone), each loss weighted by its `loss_denominator` over the minibatch's, give the
+    minibatch's padded loss and gradients: the weighting matches how the loss averages (the first
+    row is cut to one response token, so that weighting by tokens would not do for a loss that
+    averages over rows or pairs)."""
+    from actors.learner import micro_batch_weights
+    from rlsys.packing import microbatches
+
+    if isinstance(algo, UnpackedOnly):
+        return  # refused with learner.max_tokens_per_microbatch (tests/floor/test_config.py)
+    mb = batch.trim()
+    mb.response_mask = mb.response_mask.clone()
+    first_row = mb.response_mask[0].nonzero().flatten()
+    mb.response_mask[0, first_row[1:]] = 0  # the first row one token long: the groups' tokens differ
+    parts = microbatches(mb, 1)
+    if len(parts) < 2:
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def loss_and_grads(part, packed):
+        logits, logprobs, values = module(part.input_ids, part.attention_mask, temperature, part.response_mask, packed)
+        loss = algo.loss(ModelOutputs(logits, logprobs, values), part)[0]
+        return loss.item(), torch.autograd.grad(loss, params, allow_unused=True)
+
+    module.train()
+    whole, want = loss_and_grads(mb, False)
+    total, got = 0.0, [torch.zeros_like(p) for p in params]
+    for part, weight in zip(parts, micro_batch_weights(parts, functools.partial(loss_denominator, algo), mb)):
+        loss, grads = loss_and_grads(part, True)
+        total += weight * loss
+        for acc, g in zip(got, grads):
+            if g is not None:
+                acc += weight * g
+    assert total == pytest.approx(whole, rel=1e-4, abs=1e-6), f"{where}: packed loss {total} vs {whole}"
+    for p, a, b in zip(params, want, got):
+        a = torch.zeros_like(p) if a is None else a
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-6), f"{where}: packed gradients differ"
+
+
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_one_step_in_process(name, tmp_path):
     """rollout -> prepare -> loss -> backward as rlsys/run/loop.py orders them, on real models."""
@@ -506,6 +548,7 @@ def test_one_step_in_process(name, tmp_path):
         # train: loss -> backward on each policy's module
         for policy, batch in batches.items():
             assert_trains(algo, fake.modules[policy], batch, fake.temperature, f"{name}/{policy}")
+            assert_packs_exactly(algo, fake.modules[policy], batch, fake.temperature, f"{name}/{policy}")
         # the optional parts the controller calls outside a step
         if isinstance(algo, EvaluatesItself):
             metrics = algo.evaluate(ctx, prompts, ctx.sampling(n=1, temperature=0.0, seed=1))

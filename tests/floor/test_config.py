@@ -85,6 +85,19 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
         assert "Traceback" not in p.stderr
 
 
+def test_packed_micro_batches_are_refused_for_a_loss_they_cannot_weigh_exactly():
+    """RLEF adds a token mean and a mean over turns: learner.max_tokens_per_microbatch is refused
+    in one line; an algorithm whose loss has one denominator takes it."""
+    with pytest.raises(ConfigError) as e:
+        build_algorithm(load_config("configs/rlef.yaml", ["learner.max_tokens_per_microbatch=4096"]))
+    assert str(e.value) == (
+        "config error: 'learner.max_tokens_per_microbatch'=4096: algorithm 'rlef' adds loss means over different "
+        "units, which packed micro-batches cannot weigh exactly (allowed: null)"
+    )
+    for name in ("grpo", "gspo", "rloo"):
+        build_algorithm(load_config(QUICKSTART, [f"algorithm.name={name}", "learner.max_tokens_per_microbatch=4096"]))
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
