@@ -279,29 +279,6 @@ class CodeEpisode:
 Runner = Callable[[list[ExecRequest]], list[ExecResult]]
 
 
-def play_episodes(
-    episodes: Sequence[CodeEpisode], answer: Callable[[list[int], list[str]], list[str]], run: Runner
-) -> None:
-    """Play episodes to the end, all of a turn's public runs (then all private runs) in one
-    `run` call. `answer(indices, dialogs)` returns the answers for the still-active
-    episodes; a dialog is the problem followed by every answer and feedback so far."""
-    dialogs = [e.observation() for e in episodes]
-    while True:
-        active = [i for i, e in enumerate(episodes) if not e.done]
-        if not active:
-            break
-        answers = answer(active, [dialogs[i] for i in active])
-        requests = [episodes[i].submit(a) for i, a in zip(active, answers)]
-        results = iter(run([r for r in requests if r is not None]) if any(requests) else [])
-        for i, a, r in zip(active, answers, requests):
-            feedback = episodes[i].observe(next(results) if r is not None else None)
-            dialogs[i] += a + (feedback or "")
-    finals = [e.final_request() for e in episodes]
-    results = iter(run([r for r in finals if r is not None]) if any(finals) else [])
-    for e, r in zip(episodes, finals):
-        e.finish(next(results) if r is not None else None)
-
-
 @dataclass
 class CodeEnv:
     """The Env protocol (envs/base.py) over one CodeEpisode: `reset(row)`, then
@@ -385,9 +362,10 @@ class CodeTask:
 
     def single_turn(self, row: dict, response_text: str) -> CodeEpisode:
         """A one-answer episode, scored on the private tests."""
-        e = self.episode(row, max_turns=1)
-        play_episodes([e], lambda idx, dialogs: [response_text], self._run)
-        return e
+        env = CodeEnv(self._run, lambda r: self.episode(r, max_turns=1))
+        env.reset(row)
+        env.step(response_text)
+        return env.episode
 
     def is_correct(self, row: dict, response_text: str) -> bool:
         return bool(self.single_turn(row, response_text).private_passed)

@@ -17,7 +17,6 @@ from envs.code import (
     extract_code,
     format_feedback,
     humaneval_rows,
-    play_episodes,
     read_code_rows,
     split_tests,
 )
@@ -56,10 +55,19 @@ def unsafe():
     return make_backend("subprocess-unsafe")
 
 
+def played(episode: CodeEpisode, answer, run) -> CodeEpisode:
+    """`episode` played to the end through CodeEnv, as the multi-turn rollout steps it:
+    `answer(episode)` is the next answer."""
+    env = CodeEnv(run, lambda row: episode)
+    env.reset(episode.row)
+    while not env.step(answer(episode))[2]:
+        pass
+    return episode
+
+
 def play(answers, backend, max_turns=3, row=ROW):
     run = Recorder(backend)
-    episode = CodeEpisode(row, max_turns=max_turns, uid="e")
-    play_episodes([episode], lambda idx, dialogs: [answers[len(episode.answers)]], run)
+    episode = played(CodeEpisode(row, max_turns=max_turns, uid="e"), lambda e: answers[len(e.answers)], run)
     return episode, run
 
 
@@ -213,23 +221,22 @@ SAMPLE = [0, 2, 10, 32, 38, 50, 53, 100, 163]  # 32, 38, 50, 53: loop-shaped tes
 
 def test_canonical_solutions_pass_in_one_turn_in_the_sandbox(sandbox_backend):
     rows = humaneval_rows()
-    episodes = [CodeEpisode(rows[i], uid=rows[i]["id"]) for i in SAMPLE]
-    play_episodes(
-        episodes,
-        lambda idx, d: [
-            f"```python\n{episodes[i].row['answer']}```" if i % 2 else episodes[i].row["answer"] for i in idx
-        ],
-        lambda rs: [sandbox_backend.run(r) for r in rs],
-    )
+    run = lambda rs: [sandbox_backend.run(r) for r in rs]  # noqa: E731
+    episodes = [
+        played(
+            CodeEpisode(rows[i], uid=rows[i]["id"]),
+            lambda e: f"```python\n{e.row['answer']}```" if k % 2 else e.row["answer"],
+            run,
+        )
+        for k, i in enumerate(SAMPLE)
+    ]
     assert [(len(e.answers), e.reward) for e in episodes] == [(1, 1.0)] * len(SAMPLE)
 
 
 def test_broken_solution_gets_feedback_and_minus_one_in_the_sandbox(sandbox_backend):
     rows = humaneval_rows()
-    episodes = [CodeEpisode(rows[i], uid=rows[i]["id"]) for i in (0, 53)]
-    play_episodes(
-        episodes, lambda idx, d: ["    return None\n"] * len(idx), lambda rs: [sandbox_backend.run(r) for r in rs]
-    )
+    run = lambda rs: [sandbox_backend.run(r) for r in rs]  # noqa: E731
+    episodes = [played(CodeEpisode(rows[i], uid=rows[i]["id"]), lambda e: "    return None\n", run) for i in (0, 53)]
     for e in episodes:
         assert len(e.answers) == 3 and e.reward == -1.0 and not e.private_passed and len(e.feedbacks) == 2
         assert e.feedbacks[0].startswith("\n" + FEEDBACK_HEAD) and "got None" in e.feedbacks[0]
