@@ -39,12 +39,13 @@ from rlsys.contract import (
     ModelOutputs,
     SkipsRowsWithoutGradient,
     TrainsOnStaleRows,
+    UnpackedOnly,
     UsesProximalLogprobs,
     loss_denominator,
 )
 from rlsys.logprobs import mismatch_metrics
 from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
-from rlsys.packing import microbatches
+from rlsys.packing import microbatches, packing_pays
 from rlsys.weight_digest import digest
 
 
@@ -141,6 +142,7 @@ class Learner:
         gradient_checkpointing: bool = False,
         lora: dict | None = None,
         max_tokens_per_microbatch: int | None = None,
+        auto_pack: bool = False,
         offload: str = "none",
     ):
         """`warmup_steps` and `total_steps` count optimizer steps (epochs x minibatches per train_step).
@@ -150,7 +152,8 @@ class Learner:
         rank > 0 the policy trains LoRA adapters only (actors/lora.py) and a sync sends them alone.
         `max_tokens_per_microbatch`: each minibatch runs in packed micro-batches of at most this many
         tokens, its prompt groups kept whole (rlsys/packing.py), the gradients accumulated into its one
-        optimizer step; None: each minibatch in one padded forward."""
+        optimizer step; None: each minibatch in one padded forward, or with `auto_pack` packed as one
+        sequence where that computes far fewer positions (`packing_pays`; not for an UnpackedOnly loss)."""
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK="0",
@@ -185,6 +188,7 @@ class Learner:
         if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1 or None, not {max_tokens_per_microbatch}")
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.auto_pack = auto_pack and not isinstance(algorithm, UnpackedOnly)
         self.temperature = temperature
         self.zero_stage = zero_stage
         # ZeRO-0 in fp32: the learner clips with torch's foreach clip and reports the norm (DeepSpeed
@@ -309,8 +313,9 @@ class Learner:
         boundary at the last. Returns (the loss's metrics and `loss`, so weighted; the
         sampler mismatch when `first`: the forwards before the step's first update, which then
         also give the proximal logprobs when `proximal`)."""
-        packed = self.max_tokens_per_microbatch is not None
-        parts = microbatches(mb, self.max_tokens_per_microbatch) if packed else [mb]
+        budget = self.max_tokens_per_microbatch
+        packed = budget is not None or (self.auto_pack and packing_pays(mb))
+        parts = microbatches(mb, budget) if budget is not None else [mb]
         weights = micro_batch_weights(parts, partial(loss_denominator, self.algorithm), mb)
         token_weights = micro_batch_weights(parts, TrainBatch.num_tokens, mb)
         metrics: dict[str, float] = defaultdict(float)

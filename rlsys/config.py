@@ -416,6 +416,13 @@ class LearnerConfig(Section):
         "it. The reference and a distillation teacher score in packed batches of "
         "the same budget",
     )
+    auto_pack: bool = Field(
+        True,
+        description="with max_tokens_per_microbatch null: a minibatch whose padded forward would compute more than "
+        "1.5x the token positions of its rows (responses of spread lengths, padded to the longest) runs packed as "
+        "one sequence instead, the same gradient (rlsys/packing.py packing_pays; never for a loss that "
+        "declares UnpackedOnly); false: always padded",
+    )
     lora: LoraSettings = Field(LoraSettings(), description="LoRA adapters instead of full fine-tuning (rank 0: off)")
     offload: Literal["none", "optimizer", "params"] = Field(
         "none",

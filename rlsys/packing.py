@@ -43,6 +43,31 @@ def prompt_groups(input_ids: torch.Tensor, response_mask: torch.Tensor) -> list[
     return groups
 
 
+# a minibatch runs packed under learner.auto_pack when its padded forward computes more than this
+# many times the token positions of its rows
+PACKING_PAYS_ABOVE = 1.5
+
+
+def padded_positions(batch: TrainBatch) -> int:
+    """Token positions the learner's padded forward of `batch` computes: each group's prompt once,
+    to the longest prompt, then every row to the longest rest (rlsys/logprobs.py
+    `shared_prompt_passes`); every row to the longest row when no prompt repeats."""
+    rows, width = batch.input_ids.shape
+    plen = batch.response_mask.gt(0).float().argmax(1) + 1
+    longest = int(plen.max())
+    prompts = torch.where(torch.arange(longest)[None] < plen[:, None], batch.input_ids[:, :longest], -1)
+    groups = 1 + int((prompts[1:] != prompts[:-1]).any(1).sum())  # runs of rows with one prompt
+    if groups == rows:
+        return rows * width
+    return groups * longest + rows * int((batch.attention_mask.sum(1) - plen).max())
+
+
+def packing_pays(batch: TrainBatch) -> bool:
+    """Whether `batch` computes fewer positions packed (its real tokens) than padded by more than
+    PACKING_PAYS_ABOVE: responses of spread lengths, padded to the longest."""
+    return padded_positions(batch) > PACKING_PAYS_ABOVE * int(batch.attention_mask.sum())
+
+
 def plan_microbatches(lengths: Sequence[int], groups: Sequence[int], budget: int) -> list[list[int]]:
     """Row indices of each micro-batch. A group (a run of consecutive rows with one group number)
     is never cut; groups go first-fit in decreasing size into micro-batches of at most `budget`

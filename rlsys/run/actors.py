@@ -106,6 +106,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
                 bf16=l.bf16,
                 gradient_checkpointing=l.gradient_checkpointing,
                 max_tokens_per_microbatch=l.max_tokens_per_microbatch,
+                auto_pack=l.auto_pack,
                 lora=l.lora.model_dump(),
                 offload=l.offload,
                 **learner_schedule(cfg),

@@ -282,8 +282,8 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
         "ppo": PPO,
     }[algorithm]
     weights, metrics, calls, scored = [], [], [], []
-    try:  # both learners in one process group
-        for budget in (None, 80):
+    try:  # the learners in one process group: padded, a budget of 80, and auto_pack (no budget)
+        for budget, auto_pack in ((None, False), (80, False), (None, True)):
             learner = Learner(
                 str(model_dir),
                 make(),
@@ -292,6 +292,7 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
                 zero_stage=zero_stage,
                 master_port=free_port(),
                 max_tokens_per_microbatch=budget,
+                auto_pack=auto_pack,
             )
             scored.append(learner.values(table) if algorithm == "ppo" else learner.logprobs(table))
             shapes = []
@@ -305,14 +306,15 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
         import deepspeed.comm
 
         deepspeed.comm.destroy_process_group()
-    for plain, packed in zip(*scored):
+    for plain, packed in zip(*scored[:2]):
         assert len(plain) == len(packed) and torch.allclose(torch.tensor(packed), torch.tensor(plain), **TIGHT)
+    assert calls[2] != calls[0] and any(shape[0] == 1 for shape in calls[2])  # auto_pack packed some minibatches
     packed_calls = calls[1]
     assert all(shape[0] == 1 for shape in packed_calls)
     # micro-batches a step: 88 | 57 + 19 (the 33 left out); 88 | 19 and 57; 88 | 19 and 33 | 57
     assert len(packed_calls) == 2 * {1: 2, 2: 3 if algorithm == "grpo" else 4}[minibatches]
     assert max(shape[1] for shape in packed_calls) == 88  # the largest group, alone
-    for plain, packed in zip(*metrics):
+    for plain, packed in [*zip(metrics[0], metrics[1]), *zip(metrics[0], metrics[2])]:
         assert plain.keys() == packed.keys() and "grad_norm" in plain
         for key in plain:
             if not key.startswith("time/"):
@@ -328,8 +330,9 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
     initial = load_model(model_dir).state_dict()
     moved = [np.abs(weights[0][name] - initial[name].numpy()).max() for name in weights[0]]
     assert max(moved) > 1e-2  # the steps moved the weights, by about lr a step
-    gaps = np.concatenate([np.abs(weights[1][name] - w).ravel() for name, w in weights[0].items()])
-    assert (gaps > 2e-4).mean() < 1e-4 and gaps.max() < 2 * 1e-2 and gaps.mean() < 2e-6
+    for other in weights[1:]:
+        gaps = np.concatenate([np.abs(other[name] - w).ravel() for name, w in weights[0].items()])
+        assert (gaps > 2e-4).mean() < 1e-4 and gaps.max() < 2 * 1e-2 and gaps.mean() < 2e-6
 
 
 def test_the_reference_scores_in_packed_batches_of_the_budget(tmp_path):
@@ -354,6 +357,20 @@ def test_the_reference_scores_in_packed_batches_of_the_budget(tmp_path):
         assert ids_a == ids_b and torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), **TIGHT)
 
 
+def test_packing_pays_where_padding_to_the_longest_response_dominates():
+    """Padded positions: each group's prompt once to the longest prompt, then every row to the
+    longest response; every row to the longest row when no prompt repeats."""
+    from rlsys.packing import packing_pays, padded_positions
+
+    spread = long_and_short_rows()  # 4 groups, prompts of 3-6 tokens, responses of 2-60: 197 real tokens
+    assert padded_positions(spread) == 4 * 6 + 12 * 60 and packing_pays(spread)
+    even = collate_ids([[5, 6, 7, 8]] * 2 + [[9, 10, 11, 12]] * 2, [[3, 4, 5]] * 4)  # 28 real tokens
+    assert padded_positions(even) == 2 * 4 + 4 * 3 and not packing_pays(even)
+    distinct = collate_ids([[5, 6], [7, 8], [9, 10]], [[3, 4, 5], [3, 4, 5], [3] * 8])  # 20 real tokens
+    assert padded_positions(distinct) == 3 * 10 and not packing_pays(distinct)  # 30 is not above 1.5 x 20
+    assert packing_pays(collate_ids([[5, 6], [7, 8], [9, 10]], [[3], [3], [3] * 9]))  # 30 above 1.5 x 15
+
+
 def test_the_config_key_defaults_off_and_reaches_the_learner():
     import inspect
 
@@ -367,3 +384,4 @@ def test_the_config_key_defaults_off_and_reaches_the_learner():
     assert inspect.signature(Learner).parameters["max_tokens_per_microbatch"].default is None
     assert "max_tokens_per_microbatch=l.max_tokens_per_microbatch" in inspect.getsource(actors.start_actors)
     assert "max_tokens_per_batch=l.max_tokens_per_microbatch" in inspect.getsource(actors.start_actors)  # the reference
+    assert load_config().learner.auto_pack is True and "auto_pack=l.auto_pack" in inspect.getsource(actors.start_actors)
