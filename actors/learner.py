@@ -45,7 +45,7 @@ from rlsys.contract import (
 )
 from rlsys.logprobs import mismatch_metrics
 from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
-from rlsys.packing import microbatches, packing_pays
+from rlsys.packing import AUTO_PACK_TOKENS, microbatches, packing_pays
 from rlsys.weight_digest import digest
 
 
@@ -152,8 +152,9 @@ class Learner:
         rank > 0 the policy trains LoRA adapters only (actors/lora.py) and a sync sends them alone.
         `max_tokens_per_microbatch`: each minibatch runs in packed micro-batches of at most this many
         tokens, its prompt groups kept whole (rlsys/packing.py), the gradients accumulated into its one
-        optimizer step; None: each minibatch in one padded forward, or with `auto_pack` packed as one
-        sequence where that computes far fewer positions (`packing_pays`; not for an UnpackedOnly loss)."""
+        optimizer step; None: each minibatch in one padded forward, or with `auto_pack` in packed
+        micro-batches of AUTO_PACK_TOKENS where that computes far fewer positions (`packing_pays`; not
+        for an UnpackedOnly loss)."""
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK="0",
@@ -315,7 +316,7 @@ class Learner:
         also give the proximal logprobs when `proximal`)."""
         budget = self.max_tokens_per_microbatch
         packed = budget is not None or (self.auto_pack and packing_pays(mb))
-        parts = microbatches(mb, budget) if budget is not None else [mb]
+        parts = microbatches(mb, budget or AUTO_PACK_TOKENS) if packed else [mb]
         weights = micro_batch_weights(parts, partial(loss_denominator, self.algorithm), mb)
         token_weights = micro_batch_weights(parts, TrainBatch.num_tokens, mb)
         metrics: dict[str, float] = defaultdict(float)
@@ -392,7 +393,7 @@ class Learner:
         forward = lambda ids, mask, span, packed: self.module(
             ids.to(self.device), mask.to(self.device), self.temperature, span.to(self.device), packed
         )[output]
-        return per_response_tokens(forward, table, max_tokens=self.max_tokens_per_microbatch)
+        return per_response_tokens(forward, table, max_tokens=self.max_tokens_per_microbatch, auto_pack=self.auto_pack)
 
     @contextmanager
     def _full_policy(self):

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlsys.batch import collate, response_slices
 from rlsys.logprobs import response_logprobs
-from rlsys.packing import packed_logprobs, plan_microbatches
+from rlsys.packing import AUTO_PACK_TOKENS, packed_logprobs, packing_pays, plan_microbatches
 
 
 def quiet_transformers() -> None:
@@ -310,30 +310,46 @@ def prompt_aligned_chunks(prompts: list, size: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def per_response_tokens(forward, table, batch_size: int = 64, pad_id: int = 0, max_tokens: int | None = None):
+def per_response_tokens(
+    forward, table, batch_size: int = 64, pad_id: int = 0, max_tokens: int | None = None, auto_pack: bool = False
+):
     """Run `forward(input_ids, attention_mask, response_span, packed) -> [B, L-1] tensor` over an
     Experience table in chunks and cut each row's response span out of the result.
     `response_span` [B, L-1] is 1 at every response token's target index (environment tokens
     of a multi-turn response included), so a forward may skip what lies before it. Chunks of
     `batch_size` consecutive rows run padded (`packed` False); under `max_tokens` the rows go in
     chunks of at most that many real tokens (`plan_microbatches`: a prompt group kept whole), each
-    run as one packed sequence (`packed` True): no padding, whatever the spread of lengths."""
+    run as one packed sequence (`packed` True): no padding, whatever the spread of lengths. With
+    `auto_pack` (and no `max_tokens`) a padded chunk that packing pays for (`packing_pays`) runs
+    so instead, in chunks of AUTO_PACK_TOKENS."""
     prompts = table.column("prompt_ids").to_pylist()
-    if max_tokens is None:
-        chunks = [list(range(start, stop)) for start, stop in prompt_aligned_chunks(prompts, batch_size)]
-    else:
-        lengths = [len(p) + len(r) for p, r in zip(prompts, table.column("response_ids").to_pylist())]
-        groups = list(itertools.accumulate(int(i > 0 and p != prompts[i - 1]) for i, p in enumerate(prompts)))
-        chunks = plan_microbatches(lengths, groups, max_tokens)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, table.column("response_ids").to_pylist())]
+    groups = list(itertools.accumulate(int(i > 0 and p != prompts[i - 1]) for i, p in enumerate(prompts)))
     out: list[list[float]] = [[] for _ in prompts]
-    for rows in chunks:
+
+    def score(rows: list[int], batch=None, packed: bool = False) -> None:
         chunk = table.take(rows)
-        batch = collate(chunk, pad_id)
+        batch = collate(chunk, pad_id) if batch is None else batch
         slices = response_slices(chunk)
         span = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
         for i, s in enumerate(slices):
             span[i, s] = 1.0
-        values = forward(batch.input_ids, batch.attention_mask, span, max_tokens is not None)
+        values = forward(batch.input_ids, batch.attention_mask, span, packed)
         for i, (row, s) in enumerate(zip(rows, slices)):
             out[row] = values[i, s].tolist()
+
+    def packed_chunks(rows: list[int], budget: int) -> None:
+        for part in plan_microbatches([lengths[r] for r in rows], [groups[r] for r in rows], budget):
+            score([rows[i] for i in part], packed=True)
+
+    if max_tokens is not None:
+        packed_chunks(list(range(len(prompts))), max_tokens)
+        return out
+    for start, stop in prompt_aligned_chunks(prompts, batch_size):
+        rows = list(range(start, stop))
+        batch = collate(table.take(rows), pad_id)
+        if auto_pack and packing_pays(batch):
+            packed_chunks(rows, AUTO_PACK_TOKENS)
+        else:
+            score(rows, batch)
     return out

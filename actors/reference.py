@@ -23,9 +23,11 @@ class ReferenceWorker:
         threads: int = 1,
         batch_size: int = 64,
         max_tokens_per_batch: int | None = None,
+        auto_pack: bool = False,
     ):
         """`batch_size` rows per padded forward, or under `max_tokens_per_batch` (the run's
-        learner.max_tokens_per_microbatch) packed forwards of at most that many real tokens."""
+        learner.max_tokens_per_microbatch) packed forwards of at most that many real tokens;
+        `auto_pack` (learner.auto_pack): a padded batch that packing pays for runs packed."""
         torch.set_num_threads(threads)
         quiet_transformers()
         self.model = load_model(model_dir).eval()
@@ -33,6 +35,7 @@ class ReferenceWorker:
         self.temperature = temperature
         self.batch_size = batch_size
         self.max_tokens_per_batch = max_tokens_per_batch
+        self.auto_pack = auto_pack
 
     def load_weights(self, weights: dict | None, model_dir: str | None = None) -> None:
         """Hold these weights (numpy, by name; LoRA adapters merged into the initial weights) or,
@@ -74,4 +77,6 @@ class ReferenceWorker:
         return response_logprobs(self.model, ids, mask, span, self.temperature)
 
     def _per_response(self, forward, table: pa.Table) -> list:
-        return per_response_tokens(forward, table, self.batch_size, max_tokens=self.max_tokens_per_batch)
+        return per_response_tokens(
+            forward, table, self.batch_size, max_tokens=self.max_tokens_per_batch, auto_pack=self.auto_pack
+        )

@@ -419,9 +419,9 @@ class LearnerConfig(Section):
     auto_pack: bool = Field(
         True,
         description="with max_tokens_per_microbatch null: a minibatch whose padded forward would compute more than "
-        "1.5x the token positions of its rows (responses of spread lengths, padded to the longest) runs packed as "
-        "one sequence instead, the same gradient (rlsys/packing.py packing_pays; never for a loss that "
-        "declares UnpackedOnly); false: always padded",
+        "1.5x the token positions of its rows (responses of spread lengths, padded to the longest) runs in packed "
+        "micro-batches of 4096 tokens instead, the same gradient (rlsys/packing.py packing_pays; never for a loss "
+        "that declares UnpackedOnly); the reference and a teacher alike; false: always padded",
     )
     lora: LoraSettings = Field(LoraSettings(), description="LoRA adapters instead of full fine-tuning (rank 0: off)")
     offload: Literal["none", "optimizer", "params"] = Field(

@@ -43,9 +43,11 @@ def prompt_groups(input_ids: torch.Tensor, response_mask: torch.Tensor) -> list[
     return groups
 
 
-# a minibatch runs packed under learner.auto_pack when its padded forward computes more than this
-# many times the token positions of its rows
+# learner.auto_pack: a minibatch runs packed when its padded forward computes more than this many
+# times the token positions of its rows, in micro-batches of at most AUTO_PACK_TOKENS real tokens
+# (on a 2-core CPU a long tail's 128 rows train 1.4x faster in sequences of ~4k tokens than in one)
 PACKING_PAYS_ABOVE = 1.5
+AUTO_PACK_TOKENS = 4096
 
 
 def padded_positions(batch: TrainBatch) -> int:

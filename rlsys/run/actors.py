@@ -133,7 +133,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
         if reference_on_learner(cfg, algorithm)
         else ray.remote(ReferenceWorker)
         .options(**service_options(cfg, 0.25))
-        .remote(str(policy_dir), temperature, max_tokens_per_batch=l.max_tokens_per_microbatch),
+        .remote(str(policy_dir), temperature, max_tokens_per_batch=l.max_tokens_per_microbatch, auto_pack=l.auto_pack),
         reward=start_reward_actor(
             cfg.reward, policy_dir, task, cfg.run.seed, cfg.sandbox, cfg.placement.services.resources
         ),

@@ -177,7 +177,12 @@ class Controller:
             self.ctx.teacher = (
                 ray.remote(ReferenceWorker)
                 .options(**service_options(cfg, 0.25))
-                .remote(str(teacher_dir), temperature, max_tokens_per_batch=cfg.learner.max_tokens_per_microbatch)
+                .remote(
+                    str(teacher_dir),
+                    temperature,
+                    max_tokens_per_batch=cfg.learner.max_tokens_per_microbatch,
+                    auto_pack=cfg.learner.auto_pack,
+                )
             )
         if self.needs_sandbox:
             self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)

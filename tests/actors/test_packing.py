@@ -306,7 +306,7 @@ def test_a_learner_step_in_packed_micro_batches_gives_the_same_update(tmp_path, 
         import deepspeed.comm
 
         deepspeed.comm.destroy_process_group()
-    for plain, packed in zip(*scored[:2]):
+    for plain, packed in [*zip(scored[0], scored[1]), *zip(scored[0], scored[2])]:
         assert len(plain) == len(packed) and torch.allclose(torch.tensor(packed), torch.tensor(plain), **TIGHT)
     assert calls[2] != calls[0] and any(shape[0] == 1 for shape in calls[2])  # auto_pack packed some minibatches
     packed_calls = calls[1]
@@ -355,6 +355,12 @@ def test_the_reference_scores_in_packed_batches_of_the_budget(tmp_path):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), **TIGHT)
     for (ids_a, lp_a), (ids_b, lp_b) in zip(packed.top_logprobs(table, k=4), padded.top_logprobs(table, k=4)):
         assert ids_a == ids_b and torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b), **TIGHT)
+    # auto_pack without a budget: the padded batch of 12 rows (744 positions for 197 tokens) runs as one sequence
+    auto, shapes[:] = ReferenceWorker(str(model_dir), 0.8, auto_pack=True), []
+    auto.model.register_forward_pre_hook(record, with_kwargs=True)
+    for a, b in zip(auto.logprobs(table), want):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), **TIGHT)
+    assert shapes == [(1, 197)]
 
 
 def test_packing_pays_where_padding_to_the_longest_response_dominates():
