@@ -1,9 +1,10 @@
 """learner.max_tokens_per_microbatch (rlsys/packing.py): rows packed into one sequence without
 padding keep their attention inside the row (the packed forward's logprobs, values and
 gradients are the per-row and padded forwards'); the micro-batch plan keeps to the token budget
-and never cuts a prompt group; micro-batch losses weighted by their tokens accumulate the whole
-minibatch's gradient; and a learner step in packed micro-batches gives the weights, loss and
-gradient norm of the learner without them."""
+and never cuts a prompt group; micro-batch losses weighted by what the loss averages over
+accumulate the whole minibatch's gradient; a learner step in packed micro-batches gives the
+weights, loss and gradient norm of the learner without them; and learner.auto_pack packs where
+padding to the longest response dominates."""
 
 import numpy as np
 import pytest
@@ -377,7 +378,7 @@ def test_packing_pays_where_padding_to_the_longest_response_dominates():
     assert packing_pays(collate_ids([[5, 6], [7, 8], [9, 10]], [[3], [3], [3] * 9]))  # 30 above 1.5 x 15
 
 
-def test_the_config_key_defaults_off_and_reaches_the_learner():
+def test_the_config_keys_reach_the_learner():
     import inspect
 
     from actors.learner import Learner
