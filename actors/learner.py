@@ -189,7 +189,9 @@ class Learner:
         if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1 or None, not {max_tokens_per_microbatch}")
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.auto_pack = auto_pack and not isinstance(algorithm, UnpackedOnly)
+        # each rank decides for its own shard: under ZeRO-3 every forward gathers the parameters with
+        # the other ranks, so there the ranks must run the same forwards and auto_pack stays off
+        self.auto_pack = auto_pack and not isinstance(algorithm, UnpackedOnly) and (zero_stage < 3 or world_size == 1)
         self.temperature = temperature
         self.zero_stage = zero_stage
         # ZeRO-0 in fp32: the learner clips with torch's foreach clip and reports the norm (DeepSpeed

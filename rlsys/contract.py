@@ -206,7 +206,7 @@ class PlaysEpisodes:
 class UnpackedOnly:
     """A marker: the loss adds means over different units (RLEF: its policy term over response
     tokens, its value term over turns), which no one weight per packed micro-batch keeps exact, so
-    `learner.max_tokens_per_microbatch` is refused for it."""
+    `learner.max_tokens_per_microbatch` is refused for it and `learner.auto_pack` never packs it."""
 
 
 class MovesReference:
