@@ -76,6 +76,8 @@ def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False, offl
 def micro_batch_weights(parts: list[TrainBatch], count, whole: TrainBatch) -> list[float]:
     """Each micro-batch's `count` (what a mean divides by) over the whole minibatch's: the
     weights under which the micro-batches' means sum to the minibatch's (equal when it is 0)."""
+    if len(parts) == 1:
+        return [1.0]
     total = count(whole)
     return [count(part) / total for part in parts] if total else [1.0 / len(parts)] * len(parts)
 

@@ -35,12 +35,12 @@ def row_lengths(attention_mask: torch.Tensor) -> list[int]:
 def prompt_groups(input_ids: torch.Tensor, response_mask: torch.Tensor) -> list[int]:
     """A group number per row: consecutive rows with the same prompt (the tokens before the first
     trainable target: a GRPO group's responses, a preference pair) share one."""
-    plen = (response_mask.gt(0).float().argmax(1) + 1).tolist()
-    prompts = [tuple(row[:n]) for row, n in zip(input_ids.tolist(), plen)]
-    groups = []
-    for i, prompt in enumerate(prompts):
-        groups.append(groups[-1] if i and prompt == prompts[i - 1] else (groups[-1] + 1 if i else 0))
-    return groups
+    if not len(input_ids):
+        return []
+    plen = response_mask.gt(0).float().argmax(1) + 1
+    longest = int(plen.max())
+    prompts = torch.where(torch.arange(longest)[None] < plen[:, None], input_ids[:, :longest], -1)
+    return [0, *(prompts[1:] != prompts[:-1]).any(1).long().cumsum(0).tolist()]
 
 
 # learner.auto_pack: a minibatch runs packed when its padded forward computes more than this many
@@ -55,13 +55,11 @@ def padded_positions(batch: TrainBatch) -> int:
     to the longest prompt, then every row to the longest rest (rlsys/logprobs.py
     `shared_prompt_passes`); every row to the longest row when no prompt repeats."""
     rows, width = batch.input_ids.shape
-    plen = batch.response_mask.gt(0).float().argmax(1) + 1
-    longest = int(plen.max())
-    prompts = torch.where(torch.arange(longest)[None] < plen[:, None], batch.input_ids[:, :longest], -1)
-    groups = 1 + int((prompts[1:] != prompts[:-1]).any(1).sum())  # runs of rows with one prompt
+    groups = prompt_groups(batch.input_ids, batch.response_mask)[-1] + 1
     if groups == rows:
         return rows * width
-    return groups * longest + rows * int((batch.attention_mask.sum(1) - plen).max())
+    plen = batch.response_mask.gt(0).float().argmax(1) + 1
+    return groups * int(plen.max()) + rows * int((batch.attention_mask.sum(1) - plen).max())
 
 
 def packing_pays(batch: TrainBatch) -> bool:

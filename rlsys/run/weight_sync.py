@@ -78,11 +78,10 @@ class InFlight:
                 learners_alive(self.learners, from_learners)
                 raise
             except WeightsCorrupt as e:
+                then = "newer weights are on their way" if superseded else "sending them again"
+                print(f"rlsys: {getattr(e, 'cause', e)}; {then}", file=sys.stderr, flush=True)
                 if superseded:
-                    cause = getattr(e, "cause", e)
-                    print(f"rlsys: {cause}; newer weights are on their way", file=sys.stderr, flush=True)
                     continue
-                print(f"rlsys: {getattr(e, 'cause', e)}; sending them again", file=sys.stderr, flush=True)
                 try:
                     ray.get(acknowledged([resend()], self.version, timeout))
                 except WeightsCorrupt as again:
