@@ -43,7 +43,7 @@ from rlsys.contract import (
     UsesProximalLogprobs,
     loss_denominator,
 )
-from rlsys.logprobs import mismatch_metrics
+from rlsys.logprobs import mismatch_metrics, prompt_lengths, repeated_prompts
 from rlsys.models import find_tokenizer_dir, load_model, load_tokenizer, save_tokenizer
 from rlsys.packing import AUTO_PACK_TOKENS, microbatches, packing_pays
 from rlsys.weight_digest import digest
@@ -191,9 +191,12 @@ class Learner:
         if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1 or None, not {max_tokens_per_microbatch}")
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        # each rank decides for its own shard: under ZeRO-3 every forward gathers the parameters with
-        # the other ranks, so there the ranks must run the same forwards and auto_pack stays off
-        self.auto_pack = auto_pack and not isinstance(algorithm, UnpackedOnly) and (zero_stage < 3 or world_size == 1)
+        self.auto_pack = auto_pack and not isinstance(algorithm, UnpackedOnly)
+        # ranks meet in collectives: every minibatch's last backward (the gradient all-reduce), under
+        # ZeRO-2/3 every backward (its gradient reduce), under ZeRO-3 every forward (the parameter
+        # gather). Each rank plans from its own shard, so the ranks agree on their minibatches and,
+        # in lockstep, on their micro-batches and forwards (`_agree`)
+        self.lockstep = world_size > 1 and zero_stage >= 2
         self.temperature = temperature
         self.zero_stage = zero_stage
         # ZeRO-0 in fp32: the learner clips with torch's foreach clip and reports the norm (DeepSpeed
@@ -276,13 +279,14 @@ class Learner:
         proximal = isinstance(self.algorithm, UsesProximalLogprobs) and self.algorithm.proximal_logprobs_needed()
         # the batch's old_logprobs are the sampler's: the gap to the learner's is measured each step
         sampled = isinstance(self.algorithm, (UsesProximalLogprobs, TrainsOnStaleRows))
-        one_update = self.epochs == 1 and min(self.minibatches, len(batch)) == 1  # split's shard count
+        minibatches = self._agree(min(self.minibatches, len(batch)), lowest=True)  # as many optimizer steps a rank
+        one_update = self.epochs == 1 and minibatches == 1
         if proximal and not one_update:  # the policy before the first update, for every minibatch
-            batch.proximal_logprobs = self._logprobs_before_update(batch)
+            batch.proximal_logprobs = self._logprobs_before_update(batch, minibatches)
             mismatch = mismatch_metrics(batch.proximal_logprobs, batch.old_logprobs, batch.response_mask)
         self.engine.train()
         for _ in range(self.epochs):
-            for mb in batch.split(self.minibatches):
+            for mb in batch.split(minibatches):
                 mb, scale, skipped = self._rows_with_gradient(mb.trim())
                 first = n == 0 and sampled and not mismatch  # no update yet: this step's forwards are pi_prox
                 metrics, first_mismatch = self._forward_backward(mb.to(self.device), scale, first, proximal)
@@ -315,21 +319,27 @@ class Learner:
         max_tokens_per_microbatch packed micro-batches (rlsys/packing.py), each micro-batch's loss
         weighted by its denominator over the minibatch's (`loss_denominator`: the loss's mean over
         the whole minibatch) and the gradients accumulated inside the engine up to its accumulation
-        boundary at the last. Returns (the loss's metrics and `loss`, so weighted; the
+        boundary at the last. In lockstep a rank with fewer micro-batches than another runs
+        copies of its smallest at weight 0. Returns (the loss's metrics and `loss`, so weighted; the
         sampler mismatch when `first`: the forwards before the step's first update, which then
         also give the proximal logprobs when `proximal`)."""
         budget = self.max_tokens_per_microbatch
-        packed = budget is not None or (self.auto_pack and packing_pays(mb))
+        packed = budget is not None or (self.auto_pack and bool(self._agree(packing_pays(mb), among=self.lockstep)))
         parts = microbatches(mb, budget or AUTO_PACK_TOKENS) if packed else [mb]
         weights = micro_batch_weights(parts, partial(loss_denominator, self.algorithm), mb)
         token_weights = micro_batch_weights(parts, TrainBatch.num_tokens, mb)
+        if packed and self.lockstep:
+            missing = self._agree(len(parts)) - len(parts)
+            parts = parts + [min(parts, key=TrainBatch.num_tokens)] * missing
+            weights, token_weights = weights + [0.0] * missing, token_weights + [0.0] * missing
+        share = packed or self._shared_prompts(mb)
         metrics: dict[str, float] = defaultdict(float)
         mismatch: dict[str, float] = defaultdict(float)
         for i, (part, weight, token_weight) in enumerate(zip(parts, weights, token_weights)):
             if packed:  # ZeRO-0..3 reduce (and may free) the accumulated gradients at the boundary only
                 self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
             logits, logprobs, values = self.engine(
-                part.input_ids, part.attention_mask, self.temperature, part.response_mask, packed=packed
+                part.input_ids, part.attention_mask, self.temperature, part.response_mask if share else None, packed
             )
             if first:
                 part.proximal_logprobs = logprobs.detach() if proximal else None
@@ -344,19 +354,41 @@ class Learner:
         return dict(metrics), dict(mismatch)
 
     @torch.no_grad()
-    def _logprobs_before_update(self, batch) -> torch.Tensor:
+    def _logprobs_before_update(self, batch, minibatches: int) -> torch.Tensor:
         """log pi of every target token under the current weights, [B, L-1] as the batch's, by the
         training forward's minibatches without gradient (the proximal policy of a step of several
         optimizer steps)."""
         self.engine.eval()
         out = torch.zeros_like(batch.response_mask)
         row = 0
-        for mb in batch.split(self.minibatches):
+        for mb in batch.split(minibatches):
             mb = mb.trim().to(self.device)
-            logprobs = self.module(mb.input_ids, mb.attention_mask, self.temperature, mb.response_mask)[1]
+            share = mb.response_mask if self._shared_prompts(mb) else None
+            logprobs = self.module(mb.input_ids, mb.attention_mask, self.temperature, share)[1]
             out[row : row + len(mb), : logprobs.shape[1]] = logprobs.float().cpu()
             row += len(mb)
         return out
+
+    def _agree(self, value: int, lowest: bool = False, among: bool = True) -> int:
+        """The largest `value` of all ranks (the smallest with `lowest`), in one all-reduce that
+        every rank must join; this rank's own with one rank or when not `among`."""
+        if self.world_size == 1 or not among:
+            return int(value)
+        import deepspeed.comm as dist
+
+        sign = -1 if lowest else 1
+        agreed = torch.tensor([sign * int(value)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return sign * int(agreed.item())
+
+    def _shared_prompts(self, mb) -> bool:
+        """Whether `mb`'s padded forward may run its repeated prompts once (rlsys/logprobs.py
+        `shared_prompt_passes`: two passes where the plain forward is one). Out of lockstep the
+        forward decides; in lockstep only when it would on every rank, for the same forwards."""
+        if not self.lockstep:
+            return True
+        repeated = repeated_prompts(mb.input_ids, mb.attention_mask, prompt_lengths(mb.response_mask))
+        return not self._agree(repeated is None)
 
     def _rows_with_gradient(self, mb):
         """(the minibatch's rows whose loss term can have a gradient, the factor that rescales
@@ -553,15 +585,17 @@ class Learner:
         of the dir it started from beside it, so `AutoModelForCausalLM` and `AutoTokenizer` both
         load `path`. Under learner.lora: the adapters merged into the initial weights (`export:
         merged`, the same loading), or peft's adapter directory (`export: adapter`, for
-        `PeftModel.from_pretrained` over the initial policy)."""
-        if self.rank != 0:
-            return
-        if self.peft is not None and self._engine_args["lora"]["export"] == "adapter":
-            self.peft.save_pretrained(path)
-        elif self.peft is not None:
-            self.module.policy.save_pretrained(path, state_dict=merged_state_dict(self.peft), safe_serialization=True)
-        else:
-            self.module.policy.save_pretrained(path, safe_serialization=True)
+        `PeftModel.from_pretrained` over the initial policy). Every rank joins under ZeRO-3 (the
+        parameters are gathered for it)."""
+        with self._full_policy() as policy:
+            if self.rank != 0:
+                return
+            if self.peft is not None and self._engine_args["lora"]["export"] == "adapter":
+                self.peft.save_pretrained(path)
+            elif self.peft is not None:
+                policy.save_pretrained(path, state_dict=merged_state_dict(self.peft), safe_serialization=True)
+            else:
+                policy.save_pretrained(path, safe_serialization=True)
         if find_tokenizer_dir(self.model_dir) is not None:
             save_tokenizer(load_tokenizer(self.model_dir), path)
 

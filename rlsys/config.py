@@ -421,8 +421,8 @@ class LearnerConfig(Section):
         description="with max_tokens_per_microbatch null: a minibatch whose padded forward would compute more than "
         "1.5x the token positions of its rows (responses of spread lengths, padded to the longest) runs in packed "
         "micro-batches of 4096 tokens instead, the same gradient (rlsys/packing.py packing_pays; not for a loss "
-        "that declares UnpackedOnly, nor under zero_stage 3 with several ranks, whose forwards gather the "
-        "parameters together); the reference and a teacher alike; false: always padded",
+        "that declares UnpackedOnly; under zero_stage 2/3 several ranks all pack when one does); the reference "
+        "and a teacher alike; false: always padded",
     )
     lora: LoraSettings = Field(LoraSettings(), description="LoRA adapters instead of full fine-tuning (rank 0: off)")
     offload: Literal["none", "optimizer", "params"] = Field(

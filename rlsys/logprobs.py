@@ -59,6 +59,22 @@ class SharedPromptPasses:
         return torch.where(in_prompt, from_prompt, from_rest)
 
 
+def prompt_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt length: the first response token's target index + 1."""
+    return response_mask.gt(0).float().argmax(1) + 1
+
+
+def repeated_prompts(input_ids, attention_mask, plen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the distinct prompts, -1 after each one's end, [P, max plen]; each row's prompt index
+    [B]) when some prompt repeats and every row has tokens after its prompt; else None."""
+    if bool((plen >= attention_mask.sum(1)).any()) or bool((plen < 1).any()):
+        return None
+    p = int(plen.max())
+    keyed = torch.where(torch.arange(p, device=input_ids.device)[None] < plen[:, None], input_ids[:, :p], -1)
+    distinct, row_of = torch.unique(keyed, dim=0, return_inverse=True)
+    return None if len(distinct) == len(input_ids) else (distinct, row_of)
+
+
 def shared_prompt_passes(
     model, input_ids, attention_mask, plen: torch.Tensor, **forward_kwargs
 ) -> SharedPromptPasses | None:
@@ -66,17 +82,13 @@ def shared_prompt_passes(
     row's remaining tokens on its prompt's cache with their true positions. Rows are
     right-padded. None when no prompt repeats or some row has nothing after its prompt (the plain
     forward is then as cheap)."""
-    b = input_ids.shape[0]
-    lengths = attention_mask.sum(1)
-    if bool((plen >= lengths).any()) or bool((plen < 1).any()):
-        return None
     if model.training and torch.is_grad_enabled() and getattr(model, "is_activation_checkpointing", False):
         return None  # transformers' own checkpointing turns the cache off (actors/modeling.py's keeps it)
-    p = int(plen.max())
-    keyed = torch.where(torch.arange(p, device=input_ids.device)[None] < plen[:, None], input_ids[:, :p], -1)
-    distinct, row_of = torch.unique(keyed, dim=0, return_inverse=True)
-    if len(distinct) == b:
+    repeated = repeated_prompts(input_ids, attention_mask, plen)
+    if repeated is None:
         return None
+    distinct, row_of = repeated
+    lengths = attention_mask.sum(1)
     prompt_mask = distinct.ge(0).long()
     prefix = model(input_ids=distinct.clamp(min=0), attention_mask=prompt_mask, use_cache=True, **forward_kwargs)
     cache = prefix.cache
@@ -103,7 +115,7 @@ def shared_prompt_logprobs(
     `response_mask` starts. Positions before a row's last prompt token are not computed (zeros,
     as no loss reads them). None when no prompt repeats."""
     length = input_ids.shape[1]
-    plen = response_mask.gt(0).float().argmax(1) + 1  # the first response token's target index + 1
+    plen = prompt_lengths(response_mask)
     passes = shared_prompt_passes(model, input_ids, attention_mask, plen, output_hidden_states=hidden)
     if passes is None:
         return None

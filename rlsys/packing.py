@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.batch import TrainBatch
+from rlsys.logprobs import prompt_lengths
 
 
 def row_lengths(attention_mask: torch.Tensor) -> list[int]:
@@ -37,7 +38,7 @@ def prompt_groups(input_ids: torch.Tensor, response_mask: torch.Tensor) -> list[
     trainable target: a GRPO group's responses, a preference pair) share one."""
     if not len(input_ids):
         return []
-    plen = response_mask.gt(0).float().argmax(1) + 1
+    plen = prompt_lengths(response_mask)
     longest = int(plen.max())
     prompts = torch.where(torch.arange(longest)[None] < plen[:, None], input_ids[:, :longest], -1)
     return [0, *(prompts[1:] != prompts[:-1]).any(1).long().cumsum(0).tolist()]
@@ -58,7 +59,7 @@ def padded_positions(batch: TrainBatch) -> int:
     groups = prompt_groups(batch.input_ids, batch.response_mask)[-1] + 1
     if groups == rows:
         return rows * width
-    plen = batch.response_mask.gt(0).float().argmax(1) + 1
+    plen = prompt_lengths(batch.response_mask)
     return groups * int(plen.max()) + rows * int((batch.attention_mask.sum(1) - plen).max())
 
 

@@ -82,3 +82,16 @@ class TwoTokenContext:
 
     def score_and_ref_logprobs(self, table):
         return self.score(table), self.ref_logprobs(table)
+
+
+def assert_same_update(want: dict, got: dict, initial: dict, lr: float) -> None:
+    """`got`'s weights (name -> array) took the same optimizer step(s) from `initial` as `want`'s.
+    AdamW moves a weight ~lr a step whatever its gradient's size, so a weight whose gradient is
+    near 0 (float noise apart, which differs with the summation order and the CPU's kernels) can
+    move by any share of lr: fewer than 1 in 10^4 do, the rest within 2% of lr, ~0.01% on average
+    (a wrong token weight or a lost micro-batch moves most weights by ~lr)."""
+    moved = [np.abs(want[name] - np.asarray(initial[name])).max() for name in want]
+    assert max(moved) > lr  # the steps moved the weights, by about lr a step
+    assert got.keys() == want.keys()
+    gaps = np.concatenate([np.abs(got[name] - w).ravel() for name, w in want.items()])
+    assert (gaps > 2e-4).mean() < 1e-4 and gaps.max() < 2 * lr and gaps.mean() < 2e-6

@@ -210,6 +210,8 @@ class Learners:
         self.step, training = step, {}
         for name, batch in batches.items():
             p, slot = self.policies[name], weights.train_slot(name, version)
+            if len(batch) < len(p.learners):  # a rank without rows would leave the others waiting in a collective
+                raise RunFailed(f"step {step}: {len(batch)} row(s) to train for {len(p.learners)} learner ranks")
             training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, batch.split(len(p.learners)))]
         return training
 

@@ -33,7 +33,7 @@ def _save(run, metrics: dict | None) -> Path:
     tmp = checkpoint.staging_dir(root, run.step)
     for name, p in run.policies.items():  # the run's policy in learner/ and hf/, the others beside it
         ray.get([l.save.remote(str(tmp / policy_subdir("learner", name, ctx.main_policy))) for l in p.learners])
-        ray.get(p.learners[0].export_hf.remote(str(tmp / policy_subdir("hf", name, ctx.main_policy))))
+        ray.get([l.export_hf.remote(str(tmp / policy_subdir("hf", name, ctx.main_policy))) for l in p.learners])
     run.rollouts.call(run.buffer.save.remote(str(tmp / "buffer.parquet")))
     if ctx.reference_version is not None:  # a moved KL anchor (BRiTE's theta_t)
         ray.get(run.reference.save.remote(str(tmp / "reference")))

@@ -215,8 +215,13 @@ class ActorContext:
         rank under ZeRO-3 (its forward gathers the parameters together) and from rank 0 otherwise."""
         if self.reference is not None:
             return [self.reference.logprobs.remote(table)]
-        ranks = self.learners if self.cfg.learner.zero_stage == 3 else self.learners[:1]
-        return [l.reference_logprobs.remote(table) for l in ranks]
+        return [l.reference_logprobs.remote(table) for l in self.scoring_ranks()]
+
+    def scoring_ranks(self, policy: str | None = None) -> list:
+        """The learner ranks a forward of `policy`'s learner (the run's policy by default) is asked
+        of: all under ZeRO-3 (each forward gathers the parameters together; the first answers), rank 0 otherwise."""
+        learners = self.policies[policy or self.main_policy].learners
+        return learners if self.cfg.learner.zero_stage == 3 else learners[:1]
 
     def ref_logprobs(self, table):
         with self.timed("reference"):
@@ -251,11 +256,11 @@ class ActorContext:
     def values(self, table, policy: str | None = None):
         """Value-head estimates per token of `table` from `policy`'s learner (the run's policy by default)."""
         with self.timed("values"):
-            return ray.get(self.policies[policy or self.main_policy].learners[0].values.remote(table))
+            return ray.get([l.values.remote(table) for l in self.scoring_ranks(policy)])[0]
 
     def policy_logprobs(self, table):
         with self.timed("policy_logprobs"):
-            return ray.get(self.learners[0].logprobs.remote(table))
+            return ray.get([l.logprobs.remote(table) for l in self.scoring_ranks()])[0]
 
     def teacher_logprobs(self, table):
         with self.timed("teacher"):

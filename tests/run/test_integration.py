@@ -433,31 +433,140 @@ def test_overlapped_rollout_trains_on_rows_one_version_old_and_checkpoints_them(
 
 def test_zero3_learner_syncs_its_gathered_weights(ray_cluster, tmp_path):
     """Under ZeRO-3 the weights are gathered from both ranks and copied out before the gathered
-    buffers are released: the workers serve exactly the learner's trained weights."""
+    buffers are released: the workers serve exactly the learner's trained weights, and so does the
+    checkpoint's HF export. PPO on a model whose projections are above DeepSpeed's persistence
+    threshold (each forward gathers them): every rank joins the value head's scoring forwards."""
     import numpy as np
 
     from actors.modeling import state_dict_numpy
+    from rlsys.checkpoint import candidates
     from rlsys.models import load_model
 
     # the length-shaped reward varies within a group, so the advantages (and the update) are not zero
     controller, _ = run_job(
         tmp_path,
-        "grpo",
+        "ppo",
         [
             "trainer.steps=2",
+            "trainer.checkpoint_every=2",
             "learner.num_ranks=2",
             "learner.zero_stage=3",
             "rollout.num_workers=1",
+            "model.hidden_size=320",  # 320 x 320 projections: 102400 parameters, above the threshold of 1e5
             "task.shaping=[{cosine_length: {max_length: 24}}]",
         ],
     )
     served = ray_cluster.get(controller.workers[0].__ray_call__.remote(lambda w: state_dict_numpy(w.backend.model)))
     refs = [l.weights.remote() for l in controller.learners]  # every rank joins the gather
     learner = ray_cluster.get(refs)[0]
-    initial = state_dict_numpy(load_model(tmp_path / "grpo" / "policy_init"))
-    assert set(served) == set(learner)
-    assert all(np.array_equal(served[k], learner[k]) for k in learner)
+    initial = state_dict_numpy(load_model(tmp_path / "ppo" / "policy_init"))
+    exported = state_dict_numpy(load_model(candidates(tmp_path / "ppo" / "checkpoints")[0] / "hf"))
+    assert set(served) == set(learner) == set(exported)
+    assert all(np.array_equal(served[k], learner[k]) and np.array_equal(exported[k], learner[k]) for k in learner)
     assert any(not np.array_equal(initial[k], learner[k]) for k in learner)
+
+
+def test_learner_ranks_whose_shards_plan_different_forwards_agree_on_them(ray_cluster, tmp_path):
+    """Two ranks whose shards plan different forwards: rank 0's two minibatches share prompts
+    and spread 2-60-token responses, rank 1's are short, its second with distinct prompts. Under
+    ZeRO-2/3 ranks meet in every backward (ZeRO-3 also in every forward, gathering the embedding,
+    which is above DeepSpeed's persistence threshold), so they agree on their plans: ZeRO-3 padded
+    runs prompts once only where both ranks can; ZeRO-2 under a budget of 80 tokens runs rank 1's
+    minibatches in as many micro-batches as rank 0's (copies at weight 0); ZeRO-3 with auto_pack
+    packs rank 1 where rank 0 packs. Unagreed, the ranks crash or hang in their collectives; agreed,
+    each step is ZeRO-0's (whose ranks meet at each minibatch's end only): the same update, loss and
+    sampler mismatch. Under ZeRO-3 every rank joins the HF export and the scoring forwards: the
+    export holds the trained weights and the scores are theirs."""
+    import numpy as np
+    import torch
+
+    from actors.learner import Learner
+    from actors.modeling import PolicyOnly
+    from algorithms.grpo import GRPO
+    from rlsys.batch import collate, collate_ids
+    from rlsys.cluster import free_port
+    from rlsys.experience import make_experience
+    from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir
+    from tests.actors.test_packing import grpo_fields, long_and_short_rows
+    from tests.fakes import assert_same_update
+
+    spec = TinyModelSpec(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    model_dir = save_model_dir(build_tiny_model(spec, seed=3), None, tmp_path / "policy")
+    policy = PolicyOnly(load_model(model_dir))
+    short = [([5, 6, 7], [8, 9, 10]), ([5, 6, 7], [11, 12, 13, 14]), ([20, 21], [22, 23, 24]), ([30, 31], [32, 33])]
+    shards = [
+        grpo_fields(long_and_short_rows(), policy),
+        grpo_fields(collate_ids([p for p, _ in short], [r for _, r in short]), policy, seed=1),
+    ]
+    table = make_experience(
+        [
+            dict(uid=str(i), group=str(i), prompt_ids=p, response_ids=r, logprobs=[], reward=0.0, policy_version=0)
+            for i, (p, r) in enumerate(short)
+        ]
+    )
+    weights, metrics = [], []
+    for zero_stage, budget, auto_pack in [(0, None, False), (3, None, False), (2, 80, False), (3, None, True)]:
+        algo = GRPO(GRPO.Config(group_size=3, kl_coef=0.0, off_policy_correction="tis", is_cap=1.05))
+        port = free_port()
+        ranks = [
+            ray_cluster.remote(Learner)
+            .options(num_cpus=0.5)
+            .remote(
+                str(model_dir),
+                algo,
+                lr=1e-2,
+                minibatches=2,
+                zero_stage=zero_stage,
+                rank=rank,
+                world_size=2,
+                master_port=port,
+                max_tokens_per_microbatch=budget,
+                auto_pack=auto_pack,
+            )
+            for rank in range(2)
+        ]
+        try:
+            steps = ray_cluster.get([l.train_step.remote(s) for l, s in zip(ranks, shards)], timeout=180)
+            metrics.append(steps)
+            weights.append(ray_cluster.get([l.weights.remote() for l in ranks], timeout=60)[0])
+            if zero_stage == 3 and not auto_pack:
+                out = tmp_path / "hf"
+                ray_cluster.get([l.export_hf.remote(str(out)) for l in ranks], timeout=60)
+                exported = load_model(out)
+                for name, tensor in exported.state_dict().items():
+                    assert np.array_equal(tensor.numpy(), weights[-1][name]), name
+                scored = ray_cluster.get([l.logprobs.remote(table) for l in ranks], timeout=60)
+                assert scored[0] == scored[1]
+                with torch.no_grad():
+                    b = collate(table)
+                    want = PolicyOnly(exported)(b.input_ids, b.attention_mask)[1]
+                for row, mask, got in zip(want, b.response_mask, scored[0]):
+                    assert torch.allclose(row[mask > 0], torch.tensor(got), rtol=1e-5, atol=1e-5)
+        finally:
+            for l in ranks:
+                ray_cluster.kill(l)
+    initial = {name: t.numpy() for name, t in load_model(model_dir).state_dict().items()}
+    for other, steps in zip(weights[1:], metrics[1:]):
+        assert_same_update(weights[0], other, initial, lr=1e-2)
+        for plain, agreed in zip(metrics[0], steps):  # each rank's
+            for key in ("loss", "mismatch/kl", "mismatch/logprob_abs", "is/capped_frac"):
+                assert agreed[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_step_with_fewer_rows_than_learner_ranks_fails_in_one_line(tmp_path):
+    """A rank given no rows would leave the others waiting in their first collective: the step
+    stops before any rank is called."""
+    from types import SimpleNamespace
+
+    from rlsys.errors import RunFailed
+    from rlsys.run.actors import Learners
+    from rlsys.run.context import PolicyActors
+    from tests.actors.test_packing import long_and_short_rows
+
+    ranks = Learners({"policy": PolicyActors(workers=[], learners=["rank 0", "rank 1", "rank 2"])}, tmp_path)
+    no_slot = SimpleNamespace(train_slot=lambda name, version: None)
+    with pytest.raises(RunFailed, match="^step 7: 2 row\\(s\\) to train for 3 learner ranks$"):
+        ranks.train({"policy": long_and_short_rows().select(slice(0, 2))}, 6, no_slot, step=7)
 
 
 @pytest.mark.parametrize("room", [0.5, 1.1])  # 1.1: the learner and the worker (0.5 each) fit, not all services
