@@ -178,12 +178,23 @@ class Episode:
             return
         if self.turns >= settings.max_turns:
             self.stop = "max_turns"
-            return
+            return self.end_early()
         if observation is None and not info.get("messages"):
             raise ValueError(f"env {type(self.env).__name__}: step() gave no observation for an episode not done")
         messages = info.get("messages") or [{"role": "user", "content": observation}]
         if self.conversation.add_messages(messages, budget=settings.max_tokens - 1) is None:  # 1: a turn's token
             self.stop = "max_tokens"
+            self.end_early()
+
+    def end_early(self) -> None:
+        """The episode stopped before its env was done: an env with `end_early()` (envs/base.py Env)
+        gives its final reward, added to the last turn's, and `correct` and `answer`."""
+        if not hasattr(self.env, "end_early"):
+            return
+        reward, info = self.env.end_early()
+        self.rewards[-1] += float(reward)
+        self.correct = None if info.get("correct") is None else bool(info["correct"])
+        self.answer = info.get("answer")
 
     def summary(self) -> dict:
         """What the Experience row's meta keeps of the episode."""

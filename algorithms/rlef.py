@@ -52,8 +52,6 @@ from rlsys.contract import (
 )
 from rlsys.experience import meta_of
 
-NO_BUDGET = 2**31 - 1  # an episode's token budget: answers are bounded by max_new_tokens, feedback by feedback_chars
-
 
 class RLEFConfig(AlgorithmConfig):
     """RLEF (Gehring et al. 2024): multi-turn code RL with execution feedback (task code), PPO with per-turn values."""
@@ -146,16 +144,19 @@ class RLEF(Algorithm, EvaluatesItself, ReportsPrepareMetrics, HasOwnEpisodes, Un
     def __init__(self, config: RLEFConfig | None = None):
         self.config = config or self.Config()
 
-    def episode_settings(self, tokenizer, task, run) -> EpisodeSettings:
+    def episode_settings(self, tokenizer, task, run, max_tokens: int) -> EpisodeSettings:
         """The code dialogs as episodes: a CodeEnv per episode over the task's CodeEpisode (its
-        sandbox limits, `max_turns`, `feedback_chars`), its programs run by `run`."""
+        sandbox limits, `max_turns`, `feedback_chars`), its programs run by `run`; a dialog whose
+        next feedback would pass `max_tokens` ends there, its last answer the final one."""
         c = self.config
         new_episode = partial(task.episode, max_turns=c.max_turns, feedback_chars=c.feedback_chars)
-        return EpisodeSettings(lambda: CodeEnv(run, new_episode), PlainEncoder(tokenizer), c.max_turns, NO_BUDGET)
+        return EpisodeSettings(lambda: CodeEnv(run, new_episode), PlainEncoder(tokenizer), c.max_turns, max_tokens)
 
     def _settings(self, ctx) -> EpisodeSettings:
         """The episode settings over the run's sandbox pool (`ctx.execute`, looked up per run)."""
-        return self.episode_settings(ctx.tokenizer, ctx.task, lambda requests: ctx.execute(requests))
+        return self.episode_settings(
+            ctx.tokenizer, ctx.task, lambda requests: ctx.execute(requests), ctx.episode_tokens
+        )
 
     def rollout(self, ctx, prompts) -> pa.Table:
         c = self.config

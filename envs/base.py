@@ -58,7 +58,10 @@ class Env(Protocol):
     (algorithms/episodes.py) reads of `info`: `messages` (the observation as chat messages, e.g.
     tool results in the template's tool role; else the text is one user message), `tool_counts`
     (envs/tools.py ToolCounts), `correct` (a bool, once done) and `answer` (once done: a final
-    answer the run's reward grades, added to the last turn's reward)."""
+    answer the run's reward grades, added to the last turn's reward). Optional, `end_early()`:
+    the episode stopped before done (env.max_turns, or an observation past its token budget) ->
+    (a final reward added to the last turn's, info with `correct` and `answer` as at done); without
+    it such an episode keeps the rewards it had."""
 
     def reset(self, row: dict) -> str | list[dict]: ...
     def step(self, text: str) -> tuple[str | None, float, bool, dict]: ...

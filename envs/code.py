@@ -249,6 +249,14 @@ class CodeEpisode:
         self.feedbacks.append(feedback)
         return feedback
 
+    def stop_early(self) -> None:
+        """End the dialog at its last answer, which becomes the final one (the feedback it got,
+        which the policy never saw, is dropped): the private tests may then run."""
+        if self.done or self._awaiting or not self.feedbacks:
+            raise RuntimeError("stop_early() between a feedback and the next answer only")
+        self.feedbacks.pop()
+        self.done = True
+
     def final_request(self) -> ExecRequest | None:
         """The last answer's code on the private tests (None when it had no parsable code)."""
         if not self.done:
@@ -302,10 +310,24 @@ class CodeEnv:
         if e.done:
             final = e.final_request()
             e.finish(self.run([final])[0] if final is not None else None)
+        return feedback, e.turn_rewards[-1], e.done, self._info()
+
+    def end_early(self) -> tuple[float, dict]:
+        """The dialog cut before it was over (its feedback would pass the episode's token
+        budget): the last answer is the final one, run on the private tests -> (its +1/-1, the
+        step's info)."""
+        e = self.episode
+        e.stop_early()
+        final = e.final_request()
+        e.finish(self.run([final])[0] if final is not None else None)
+        return (1.0 if e.private_passed else -1.0), self._info()
+
+    def _info(self) -> dict:
+        e = self.episode
         info = {"public_passed": e.public_passed, "private_passed": e.private_passed, "turn": len(e.answers)}
         if e.done:
             info["correct"] = bool(e.private_passed)
-        return feedback, e.turn_rewards[-1], e.done, info
+        return info
 
 
 # ---- the task (registry name "code" / "humaneval") --------------------------------------

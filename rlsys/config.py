@@ -656,8 +656,8 @@ class EnvConfig(Section):
         None,
         ge=2,
         description="an episode's token budget: prompt, policy turns and observations; a turn is given at most "
-        "what is left (and rollout.max_new_tokens), and an observation that does not fit ends the episode; null: "
-        "the model's context length",
+        "what is left (and rollout.max_new_tokens), and an observation that does not fit ends the episode (RLEF's "
+        "code dialogs too: the last answer is then the final one); null: the model's context length",
     )
     lockstep: bool = Field(
         False,

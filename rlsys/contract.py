@@ -81,6 +81,8 @@ class RolloutContext(Protocol):
 
     # multi-turn episodes (env.name): algorithms/episodes.py's EpisodeSettings, None for single-turn rollouts
     episodes: Any
+    # an episode's token budget where the run plays episodes (env.name or HasOwnEpisodes), else None
+    episode_tokens: int | None
 
 
 @runtime_checkable
@@ -183,11 +185,13 @@ class UsesProximalLogprobs(Protocol):
 @runtime_checkable
 class HasOwnEpisodes(Protocol):
     """Plays multi-turn episodes of its own env rather than `env.name`'s (RLEF's code dialogs):
-    `episode_settings(tokenizer, task, run)`, an algorithms/episodes.py EpisodeSettings whose envs
-    run programs through `run` (a list of sandbox ExecRequests -> their results). The rollout
-    passes the run's sandbox pool; an attached evaluator passes its own and plays them too."""
+    `episode_settings(tokenizer, task, run, max_tokens)`, an algorithms/episodes.py EpisodeSettings
+    whose envs run programs through `run` (a list of sandbox ExecRequests -> their results) and
+    whose episodes keep within `max_tokens` (the run's budget: env.max_tokens, at most and by
+    default the policy's context; the rollout context's `episode_tokens`). The rollout passes the
+    run's sandbox pool; an attached evaluator passes its own and plays them too."""
 
-    def episode_settings(self, tokenizer: Any, task: Any, run: Callable) -> Any: ...
+    def episode_settings(self, tokenizer: Any, task: Any, run: Callable, max_tokens: int) -> Any: ...
 
 
 class TrainsOnStaleRows:

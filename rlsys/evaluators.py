@@ -240,7 +240,9 @@ class EvaluatorWorker:
 
         self.sandbox_backend = episodes.sandbox_backend
         if episodes.algorithm is not None:
-            return episodes.algorithm.episode_settings(self.tokenizer, self.task, self._run_sandboxed)
+            return episodes.algorithm.episode_settings(
+                self.tokenizer, self.task, self._run_sandboxed, episodes.max_tokens
+            )
         factory = make_env_factory(episodes.env, self.task, run=self._run_sandboxed, limits=episodes.limits)
         env = episodes.env
         return EpisodeSettings.for_tokenizer(

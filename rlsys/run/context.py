@@ -81,6 +81,7 @@ class ActorContext:
         # rollout.inflight_update resume: generations in chunks, each resumed by the newest weights
         self.inflight_chunk = cfg.rollout.inflight_chunk_tokens if cfg.rollout.inflight_update == "resume" else None
         self.episodes = None  # an EpisodeSettings (algorithms/episodes.py) when env.name is set, by the controller
+        self.episode_tokens = None  # an episode's token budget when the run plays episodes, by the controller
 
     @property
     def workers(self) -> list:

@@ -134,13 +134,15 @@ class Controller:
         """The actors, the weight sync between them, the context algorithms see and the rollout source."""
         cfg = self.cfg
         self.policy_dir = Path(policy_dir)  # the initial policy (a learner restart goes back to it)
+        plays_episodes = self.envs is not None or isinstance(self.algorithm, HasOwnEpisodes)
+        episode_tokens = self._episode_tokens() if plays_episodes else None
         episodes = None  # how env.name's episodes are played: checked before any actor starts
         if self.envs is not None:
             episodes = EpisodeSettings.for_tokenizer(
                 self.tokenizer,
                 self.envs.make,
                 cfg.env.max_turns,
-                self._episode_tokens(),
+                episode_tokens,
                 self.envs.tool_schemas,
                 lockstep=cfg.env.lockstep,
             )
@@ -186,7 +188,7 @@ class Controller:
             )
         if self.needs_sandbox:
             self.ctx.sandbox = SandboxPool(cfg.sandbox.backend, workers=cfg.sandbox.workers)
-        self.ctx.episodes = episodes
+        self.ctx.episodes, self.ctx.episode_tokens = episodes, episode_tokens
         self.stream = PromptStream(
             [self._prompt(f"train-{i}", row) for i, row in enumerate(self.task.rows("train"))], cfg.run.seed
         )
@@ -241,12 +243,13 @@ class Controller:
         """What attached evaluators need to play this run's episodes (None: single-turn)."""
         backend = self.cfg.sandbox.backend
         if isinstance(self.algorithm, HasOwnEpisodes):
-            return EvalEpisodes(sandbox_backend=backend if self.needs_sandbox else None, algorithm=self.algorithm)
+            sandbox = backend if self.needs_sandbox else None
+            return EvalEpisodes(max_tokens=self.ctx.episode_tokens, sandbox_backend=sandbox, algorithm=self.algorithm)
         if self.envs is None:
             return None
         if not self.envs.uses_sandbox:
-            return EvalEpisodes(self.cfg.env, self._episode_tokens())
-        return EvalEpisodes(self.cfg.env, self._episode_tokens(), backend, self._sandbox_limits())
+            return EvalEpisodes(self.cfg.env, self.ctx.episode_tokens)
+        return EvalEpisodes(self.cfg.env, self.ctx.episode_tokens, backend, self._sandbox_limits())
 
     def _episode_tokens(self) -> int:
         """An episode's token budget: env.max_tokens, at most (and by default) the policy's context."""

@@ -253,6 +253,7 @@ class ScriptedWorkers:
     def __init__(self, tokenizer, scripts: dict[str, list[str]], backend):
         self.tokenizer, self.scripts, self.backend, self.sandbox = tokenizer, scripts, backend, backend
         self.task = self  # ctx.task.episode: the code task's
+        self.episode_tokens = 4096  # the run's episode budget (env.max_tokens or the context)
         self.asked: dict[str, int] = {}
         self.script_ids = {p: tokenizer(p)["input_ids"] for p in scripts}
 
@@ -296,6 +297,37 @@ def test_held_out_evaluation_is_the_papers_1_at_3(unsafe):
     got = RLEF().evaluate(ctx, prompts, SamplingParams(temperature=0.0))
     assert ctx.asked == {p: len(s) - 1 for p, s in scripts.items()}  # each script played to its end, no further
     assert got == {"accuracy": 0.5, "public_pass": 0.75, "turns_mean": 1.75, "first_answer_public_pass": 0.5}
+
+
+def test_a_dialog_past_the_token_budget_ends_at_its_last_answer(unsafe):
+    """RLEF's episodes keep within the run's token budget: a dialog whose feedback would pass it
+    stops there (`max_tokens`) and its last answer is the final one, run on the private tests
+    (-1 for a wrong one, where the dialog with room went on to +1); a dialog done within the
+    budget is as before."""
+    from algorithms.episodes import play_episodes
+    from rlsys.contract import Prompt
+    from rlsys.generation import SamplingParams
+    from rlsys.models import train_tokenizer
+
+    scripts = {'def f(x):\n    """one more than x"""\n': [WRONG, RIGHT], 'def f(x):\n    """x plus one"""\n': [RIGHT]}
+    tok = train_tokenizer([*scripts, RIGHT, WRONG, FEEDBACK_HEAD], vocab_size=200)
+    prompts = [
+        Prompt(f"p{i}", tok(p)["input_ids"], p, {**ROW, "prompt": p, "code_prefix": p}) for i, p in enumerate(scripts)
+    ]
+    played = {}
+    for budget in ("roomy", "tight"):
+        ctx = ScriptedWorkers(tok, scripts, unsafe)
+        if budget == "tight":  # the first answer fits, its feedback does not
+            ctx.episode_tokens = played["roomy"][0].conversation.policy_turns[0][1] + 2
+        settings = RLEF()._settings(ctx)
+        played[budget] = play_episodes(ctx, prompts, 1, SamplingParams(temperature=0.0), settings)
+    (went_on, right), (cut, right_again) = played["roomy"], played["tight"]
+    assert (went_on.stop, went_on.turns, went_on.rewards, went_on.correct) == ("done", 2, [0.0, 1.0], True)
+    assert (cut.stop, cut.turns, cut.rewards, cut.correct) == ("max_tokens", 1, [-1.0], False)
+    assert cut.conversation.num_tokens <= ctx.episode_tokens
+    assert cut.env.episode.feedbacks == [] and cut.env.episode.private_passed is False
+    for done in (right, right_again):
+        assert (done.stop, done.turns, done.rewards, done.correct) == ("done", 1, [1.0], True)
 
 
 # ---- advantages, masks and the loss ------------------------------------------------------

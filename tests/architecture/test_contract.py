@@ -307,6 +307,7 @@ class FakeContext:
 
         self.cfg, self.task, self.tokenizer, self.policy_version = cfg, task, tokenizer, 0
         self.episodes = None  # single-turn rollouts (multi-turn episodes: tests/algorithms/test_episodes.py)
+        self.episode_tokens = cfg.env.max_tokens or cfg.model.max_position_embeddings  # the controller's rule
         self.modules, self.main = modules, next(iter(modules))
         self.temperature = cfg.rollout.temperature or 1.0  # the learner's and the reference's (controller's rule)
         self.reference = ReferenceWorker(str(model_dirs["reference"]), self.temperature)
