@@ -178,7 +178,8 @@ class Episode:
             return
         if self.turns >= settings.max_turns:
             self.stop = "max_turns"
-            return self.end_early()
+            self.end_early()
+            return
         if observation is None and not info.get("messages"):
             raise ValueError(f"env {type(self.env).__name__}: step() gave no observation for an episode not done")
         messages = info.get("messages") or [{"role": "user", "content": observation}]
