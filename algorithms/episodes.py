@@ -33,7 +33,10 @@ answer to the run (`info["answer"]` in its last step: ToolEnv here) has it grade
 reward, `ctx.score` on a table of (prompt, final answer) rows: the task's rule or
 `reward.function` (e.g. `math` on the answer's `\\boxed{}`), a reward model or a judge, as
 single-turn rows are; the grade is added to the last turn's reward. `correct` is grade >= 1
-there, else the env's `info["correct"]`.
+there, else the env's `info["correct"]`. An episode stopped by `max_turns` or `max_tokens` before
+its env was done asks an env that has `end_early()` for its last word, in the pool (RLEF's code
+env runs the last answer on the private tests): a reward added to the last turn's, and `correct`
+and `answer` as at done.
 
 One Experience row per episode: `prompt_ids` the rendered first observation, `response_ids`
 every later token (policy turns and observations), `loss_mask` 1 exactly on the policy's
@@ -178,21 +181,22 @@ class Episode:
             return
         if self.turns >= settings.max_turns:
             self.stop = "max_turns"
-            self.end_early()
             return
         if observation is None and not info.get("messages"):
             raise ValueError(f"env {type(self.env).__name__}: step() gave no observation for an episode not done")
         messages = info.get("messages") or [{"role": "user", "content": observation}]
         if self.conversation.add_messages(messages, budget=settings.max_tokens - 1) is None:  # 1: a turn's token
             self.stop = "max_tokens"
-            self.end_early()
 
-    def end_early(self) -> None:
-        """The episode stopped before its env was done: an env with `end_early()` (envs/base.py Env)
-        gives its final reward, added to the last turn's, and `correct` and `answer`."""
-        if not hasattr(self.env, "end_early"):
-            return
-        reward, info = self.env.end_early()
+    @property
+    def ends_early(self) -> bool:
+        """Stopped before its env was done (max_turns, max_tokens) in an env that has a last word on
+        that (`end_early()`, envs/base.py Env)."""
+        return self.stop in ("max_turns", "max_tokens") and hasattr(self.env, "end_early")
+
+    def take_end(self, outcome: tuple[float, dict]) -> None:
+        """The env's `end_early()`: its final reward, added to the last turn's, and `correct` and `answer`."""
+        reward, info = outcome
         self.rewards[-1] += float(reward)
         self.correct = None if info.get("correct") is None else bool(info["correct"])
         self.answer = info.get("answer")
@@ -253,8 +257,12 @@ def play_episodes(
                 episode, what = pending.pop(future)
                 if what == "reset":
                     episode.start(future.result(), settings)
-                else:
+                elif what == "step":
                     episode.take_step(future.result(), settings)
+                    if episode.ends_early:  # in the pool too: it may run code (RLEF's private tests)
+                        pending[pool.submit(episode.env.end_early)] = (episode, "end")
+                else:
+                    episode.take_end(future.result())
                 if not episode.over:
                     ready.append(episode)
             if not ready:

@@ -4,7 +4,8 @@ Rollout: each prompt opens `samples_per_prompt` episodes of envs/code.py's CodeE
 by the common multi-turn rollout (algorithms/episodes.py `play_episodes`, side by side): each
 answer's public-test run goes to the run's sandbox pool (`ctx.execute`) from its episode's
 thread while the other episodes generate; a failed run's feedback is the next observation; the
-last answer's code runs on the private tests inside the episode's last step. The dialog has no
+last answer's code runs on the private tests inside the episode's last step (or, for a dialog
+whose next feedback would pass the run's episode budget, in `CodeEnv.end_early`). The dialog has no
 chat template (`PlainEncoder`): problem, answer, feedback, answer, ... as the tokenizer reads
 them, each answer's ids exactly as sampled. Held-out evaluation plays the same episodes, one
 per problem (`evaluate`: 1@3).

@@ -182,7 +182,9 @@ class Check:
     def learner(self, gens):
         """bf16 ZeRO-2 and ZeRO-3 (fp32 on the --cpu plumbing run) against fp32 ZeRO-0, each trained
         the same steps on the same batch from the same weights: step time, and the cosine between
-        each learner's total update and the fp32 one (does the fast learner learn the same thing)."""
+        each learner's total update and the fp32 one (does the fast learner learn the same thing);
+        then ZeRO-2 in packed micro-batches of a quarter of the batch's tokens (the packed path on
+        the device: rlsys/packing.py)."""
         import numpy as np
 
         from actors.learner import Learner
@@ -190,7 +192,7 @@ class Check:
 
         l = self.cfg.learner
         batch = train_batch(self.algorithm, gens)
-        make = lambda stage, bf16: Learner(
+        make = lambda stage, bf16, **extra: Learner(
             self.policy_dir,
             self.algorithm,
             lr=l.lr,
@@ -199,20 +201,23 @@ class Check:
             bf16=bf16,
             threads=4,
             master_port=free_port(),
+            **extra,
         )
         base = make(0, False)
         initial = {k: a.copy() for k, a in base.weights().items()}  # weights() may be views of the live tensors
         t_base = timed(lambda: (base.train_step(batch), _sync()), self.args.reps)
         base_update = np.concatenate([(a - initial[k]).ravel() for k, a in base.weights().items()])
-        for stage in (2, 3):
-            fast = make(stage, self.cuda)
+        budget = max(1, batch.num_tokens() // 4)
+        for stage, extra in ((2, {}), (3, {}), (2, {"max_tokens_per_microbatch": budget})):
+            fast = make(stage, self.cuda, **extra)
             assert fast.device.type == self.device, f"learner on {fast.device}, expected {self.device}"
             t_fast = timed(lambda: (fast.train_step(batch), _sync()), self.args.reps)
             weights = fast.weights()
             assert all(a.dtype in (np.float32, np.int64) for a in weights.values()), "weights() must give numpy fp32"
             update = np.concatenate([(a - initial[k]).ravel() for k, a in weights.items()])
             cosine = float(update @ base_update / (np.linalg.norm(update) * np.linalg.norm(base_update)))
-            label = f"{'bf16' if self.cuda else 'fp32'} ZeRO-{stage}"
+            packed = f", packed by {budget} tokens" if extra else ""
+            label = f"{'bf16' if self.cuda else 'fp32'} ZeRO-{stage}{packed}"
             self.add(
                 f"learner step ms, {label} vs fp32 ZeRO-0 on {self.device} (batch {len(batch)}, "
                 f"{batch.input_ids.shape[1]} tokens; update cosine vs fp32 {cosine:.3f})",
@@ -220,7 +225,7 @@ class Check:
                 f"{t_base * 1e3:.1f}",
                 f"{t_base / t_fast:.2f}x",
             )
-            if stage == 2:
+            if stage == 2 and not extra:
                 self.learner_ = fast  # the config's learner (configs/gpu.yaml) does the handoff and broadcast
         return self.learner_
 

@@ -64,14 +64,19 @@ def prompt_lengths(response_mask: torch.Tensor) -> torch.Tensor:
     return response_mask.gt(0).float().argmax(1) + 1
 
 
+def keyed_prompts(input_ids: torch.Tensor, plen: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt (its first `plen[b]` tokens), -1 after its end: [B, max plen], equal
+    rows for equal prompts."""
+    p = int(plen.max())
+    return torch.where(torch.arange(p, device=input_ids.device)[None] < plen[:, None], input_ids[:, :p], -1)
+
+
 def repeated_prompts(input_ids, attention_mask, plen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the distinct prompts, -1 after each one's end, [P, max plen]; each row's prompt index
     [B]) when some prompt repeats and every row has tokens after its prompt; else None."""
     if bool((plen >= attention_mask.sum(1)).any()) or bool((plen < 1).any()):
         return None
-    p = int(plen.max())
-    keyed = torch.where(torch.arange(p, device=input_ids.device)[None] < plen[:, None], input_ids[:, :p], -1)
-    distinct, row_of = torch.unique(keyed, dim=0, return_inverse=True)
+    distinct, row_of = torch.unique(keyed_prompts(input_ids, plen), dim=0, return_inverse=True)
     return None if len(distinct) == len(input_ids) else (distinct, row_of)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rlsys.batch import TrainBatch
-from rlsys.logprobs import prompt_lengths
+from rlsys.logprobs import keyed_prompts, prompt_lengths
 
 
 def row_lengths(attention_mask: torch.Tensor) -> list[int]:
@@ -38,9 +38,7 @@ def prompt_groups(input_ids: torch.Tensor, response_mask: torch.Tensor) -> list[
     trainable target: a GRPO group's responses, a preference pair) share one."""
     if not len(input_ids):
         return []
-    plen = prompt_lengths(response_mask)
-    longest = int(plen.max())
-    prompts = torch.where(torch.arange(longest)[None] < plen[:, None], input_ids[:, :longest], -1)
+    prompts = keyed_prompts(input_ids, prompt_lengths(response_mask))
     return [0, *(prompts[1:] != prompts[:-1]).any(1).long().cumsum(0).tolist()]
 
 

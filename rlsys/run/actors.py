@@ -208,10 +208,13 @@ class Learners:
         """Each policy's batch to its ranks, not awaited, for trainer step `step`; `weights` says
         where a rank writes the new weights as part of its step (a shared-memory slot) or None."""
         self.step, training = step, {}
+        for name, batch in batches.items():  # a rank without rows would leave the others waiting in a collective
+            if len(batch) < len(self.policies[name].learners):
+                raise RunFailed(
+                    f"step {step}: {len(batch)} row(s) to train for {len(self.policies[name].learners)} learner ranks"
+                )
         for name, batch in batches.items():
             p, slot = self.policies[name], weights.train_slot(name, version)
-            if len(batch) < len(p.learners):  # a rank without rows would leave the others waiting in a collective
-                raise RunFailed(f"step {step}: {len(batch)} row(s) to train for {len(p.learners)} learner ranks")
             training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, batch.split(len(p.learners)))]
         return training
 

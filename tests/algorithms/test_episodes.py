@@ -181,6 +181,34 @@ def test_episodes_end_when_done_at_max_turns_or_at_the_token_budget(setup):
         ctx.close()
 
 
+class LastWordEnv(EchoEnv):
+    """EchoEnv with a last word on an episode stopped before done: +1 and correct, from a pool
+    thread (it may run code: RLEF's private tests); the threads it ran on are recorded."""
+
+    def end_early(self):
+        self.ended_on = threading.current_thread()
+        return 1.0, {"correct": True}
+
+
+def test_an_env_has_its_last_word_on_an_episode_stopped_before_done(setup):
+    """At max_turns and at the token budget `end_early` adds its reward to the last turn's and
+    sets `correct`, run in the rollout's thread pool; a done episode never asks for it."""
+    task = setup[0]
+    ctx = LocalContext(setup, lambda: LastWordEnv(task), max_turns=3)
+    try:
+        rows = [{**rows_with(setup, 1)[0], "done_at": 2}, {**rows_with(setup, 1)[0], "done_at": None}]
+        done, capped = play_episodes(ctx, prompts_of(setup, rows), 1, ctx.sampling())
+        assert (done.stop, done.rewards, done.correct) == ("done", [0.1, 0.2], True)
+        assert not hasattr(done.env, "ended_on")
+        assert (capped.stop, capped.turns, capped.rewards, capped.correct) == ("max_turns", 3, [0.1, 0.2, 1.3], True)
+        ctx.episodes = dataclasses.replace(ctx.episodes, max_tokens=len(done.conversation.prompt_ids) + 6)
+        (tight,) = play_episodes(ctx, prompts_of(setup, rows[1:]), 1, ctx.sampling())
+        assert (tight.stop, tight.turns, tight.rewards, tight.correct) == ("max_tokens", 1, [1.1], True)
+        assert {capped.env.ended_on, tight.env.ended_on}.isdisjoint({threading.main_thread()})
+    finally:
+        ctx.close()
+
+
 def test_a_row_keeps_the_policy_tokens_as_sampled_and_puts_each_turn_reward_on_its_last_token(setup):
     task, tokenizer = setup[0], setup[1]
     ctx = LocalContext(setup, lambda: EchoEnv(task), max_turns=3)

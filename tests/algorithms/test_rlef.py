@@ -265,7 +265,8 @@ class ScriptedWorkers:
             prompt = next(p for p, ids in self.script_ids.items() if r.prompt_ids[: len(ids)] == ids)
             k = self.asked[prompt] = self.asked.get(prompt, -1) + 1
             ids = self.tokenizer(self.scripts[prompt][k], add_special_tokens=False)["input_ids"]
-            out.append(Generation(i, list(r.prompt_ids), ids, [0.0] * len(ids), "stop"))
+            cut = ids[: r.params.max_new_tokens]  # a turn gets at most what the episode's budget has left
+            out.append(Generation(i, list(r.prompt_ids), cut, [0.0] * len(cut), "stop" if cut == ids else "length"))
         return out
 
     def episode(self, row, max_turns, uid="", feedback_chars=500):
@@ -294,7 +295,7 @@ def test_held_out_evaluation_is_the_papers_1_at_3(unsafe):
         Prompt(f"eval-{i}", tok(p)["input_ids"], p, {**ROW, "prompt": p, "code_prefix": p})
         for i, p in enumerate(scripts)
     ]
-    got = RLEF().evaluate(ctx, prompts, SamplingParams(temperature=0.0))
+    got = RLEF().evaluate(ctx, prompts, SamplingParams(temperature=0.0, max_new_tokens=64))
     assert ctx.asked == {p: len(s) - 1 for p, s in scripts.items()}  # each script played to its end, no further
     assert got == {"accuracy": 0.5, "public_pass": 0.75, "turns_mean": 1.75, "first_answer_public_pass": 0.5}
 
@@ -320,7 +321,7 @@ def test_a_dialog_past_the_token_budget_ends_at_its_last_answer(unsafe):
         if budget == "tight":  # the first answer fits, its feedback does not
             ctx.episode_tokens = played["roomy"][0].conversation.policy_turns[0][1] + 2
         settings = RLEF()._settings(ctx)
-        played[budget] = play_episodes(ctx, prompts, 1, SamplingParams(temperature=0.0), settings)
+        played[budget] = play_episodes(ctx, prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=64), settings)
     (went_on, right), (cut, right_again) = played["roomy"], played["tight"]
     assert (went_on.stop, went_on.turns, went_on.rewards, went_on.correct) == ("done", 2, [0.0, 1.0], True)
     assert (cut.stop, cut.turns, cut.rewards, cut.correct) == ("max_tokens", 1, [-1.0], False)
@@ -328,6 +329,7 @@ def test_a_dialog_past_the_token_budget_ends_at_its_last_answer(unsafe):
     assert cut.env.episode.feedbacks == [] and cut.env.episode.private_passed is False
     for done in (right, right_again):
         assert (done.stop, done.turns, done.rewards, done.correct) == ("done", 1, [1.0], True)
+    assert right_again.conversation.num_tokens <= ctx.episode_tokens and right_again.finish_reasons == ["stop"]
 
 
 # ---- advantages, masks and the loss ------------------------------------------------------

@@ -468,7 +468,9 @@ def test_zero3_learner_syncs_its_gathered_weights(ray_cluster, tmp_path):
 
 def test_learner_ranks_whose_shards_plan_different_forwards_agree_on_them(ray_cluster, tmp_path):
     """Two ranks whose shards plan different forwards: rank 0's two minibatches share prompts
-    and spread 2-60-token responses, rank 1's are short, its second with distinct prompts. Under
+    and spread 2-60-token responses, rank 1's are short, its second with distinct prompts; in a
+    second step rank 1 has one row (one minibatch for both, one update: the sampler mismatch and
+    the proximal logprobs from the loss's own forwards, copies at weight 0 among them). Under
     ZeRO-2/3 ranks meet in every backward (ZeRO-3 also in every forward, gathering the embedding,
     which is above DeepSpeed's persistence threshold), so they agree on their plans: ZeRO-3 padded
     runs prompts once only where both ranks can; ZeRO-2 under a budget of 80 tokens runs rank 1's
@@ -527,6 +529,8 @@ def test_learner_ranks_whose_shards_plan_different_forwards_agree_on_them(ray_cl
         ]
         try:
             steps = ray_cluster.get([l.train_step.remote(s) for l, s in zip(ranks, shards)], timeout=180)
+            one_row = [shards[0], shards[1].select(slice(0, 1))]
+            steps += ray_cluster.get([l.train_step.remote(s) for l, s in zip(ranks, one_row)], timeout=180)
             metrics.append(steps)
             weights.append(ray_cluster.get([l.weights.remote() for l in ranks], timeout=60)[0])
             if zero_stage == 3 and not auto_pack:
@@ -548,7 +552,7 @@ def test_learner_ranks_whose_shards_plan_different_forwards_agree_on_them(ray_cl
     initial = {name: t.numpy() for name, t in load_model(model_dir).state_dict().items()}
     for other, steps in zip(weights[1:], metrics[1:]):
         assert_same_update(weights[0], other, initial, lr=1e-2)
-        for plain, agreed in zip(metrics[0], steps):  # each rank's
+        for plain, agreed in zip(metrics[0], steps):  # each rank's, each step's
             for key in ("loss", "mismatch/kl", "mismatch/logprob_abs", "is/capped_frac"):
                 assert agreed[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
 
