@@ -324,7 +324,8 @@ class Learner:
         sampler mismatch when `first`: the forwards before the step's first update, which then
         also give the proximal logprobs when `proximal`)."""
         budget = self.max_tokens_per_microbatch
-        packed = budget is not None or (self.auto_pack and bool(self._agree(packing_pays(mb), among=self.lockstep)))
+        pays = self.auto_pack and bool(self._agree(packing_pays(mb)) if self.lockstep else packing_pays(mb))
+        packed = budget is not None or pays
         parts = microbatches(mb, budget or AUTO_PACK_TOKENS) if packed else [mb]
         weights = micro_batch_weights(parts, partial(loss_denominator, self.algorithm), mb)
         token_weights = micro_batch_weights(parts, TrainBatch.num_tokens, mb)
@@ -369,10 +370,10 @@ class Learner:
             row += len(mb)
         return out
 
-    def _agree(self, value: int, lowest: bool = False, among: bool = True) -> int:
+    def _agree(self, value: int, lowest: bool = False) -> int:
         """The largest `value` of all ranks (the smallest with `lowest`), in one all-reduce that
-        every rank must join; this rank's own with one rank or when not `among`."""
-        if self.world_size == 1 or not among:
+        every rank must join; this rank's own with one rank."""
+        if self.world_size == 1:
             return int(value)
         import deepspeed.comm as dist
 

@@ -209,10 +209,9 @@ class Learners:
         where a rank writes the new weights as part of its step (a shared-memory slot) or None."""
         self.step, training = step, {}
         for name, batch in batches.items():  # a rank without rows would leave the others waiting in a collective
-            if len(batch) < len(self.policies[name].learners):
-                raise RunFailed(
-                    f"step {step}: {len(batch)} row(s) to train for {len(self.policies[name].learners)} learner ranks"
-                )
+            ranks = len(self.policies[name].learners)
+            if len(batch) < ranks:
+                raise RunFailed(f"step {step}: {len(batch)} row(s) to train for {ranks} learner ranks")
         for name, batch in batches.items():
             p, slot = self.policies[name], weights.train_slot(name, version)
             training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, batch.split(len(p.learners)))]
