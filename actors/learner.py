@@ -287,9 +287,10 @@ class Learner:
         self.engine.train()
         for _ in range(self.epochs):
             for mb in batch.split(minibatches):
+                share = self._share_of_ranks(mb)
                 mb, scale, skipped = self._rows_with_gradient(mb.trim())
                 first = n == 0 and sampled and not mismatch  # no update yet: this step's forwards are pi_prox
-                metrics, first_mismatch = self._forward_backward(mb.to(self.device), scale, first, proximal)
+                metrics, first_mismatch = self._forward_backward(mb.to(self.device), share * scale, first, proximal)
                 mismatch = first_mismatch if first else mismatch
                 metrics["lr"] = self.engine.get_lr()[0]  # the rate this optimizer step uses
                 metrics["rows_without_gradient"] = skipped
@@ -381,6 +382,21 @@ class Learner:
         agreed = torch.tensor([sign * int(value)], dtype=torch.int64, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return sign * int(agreed.item())
+
+    def _share_of_ranks(self, mb) -> float:
+        """The factor on this rank's minibatch loss under which the ranks' gradients, which
+        DeepSpeed averages, are the gradient of one loss over every rank's minibatch: world size
+        x this rank's share of what the loss averages over (`loss_denominator`), summed over the
+        ranks in one all-reduce. Shards of different token (or row) counts then weigh each token
+        (row) alike, as one rank on the whole batch does."""
+        if self.world_size == 1:
+            return 1.0
+        import deepspeed.comm as dist
+
+        own = loss_denominator(self.algorithm, mb)
+        total = torch.tensor([own], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return self.world_size * own / float(total.item()) if total.item() > 0 else 1.0
 
     def _shared_prompts(self, mb) -> bool:
         """Whether `mb`'s padded forward may run its repeated prompts once (rlsys/logprobs.py

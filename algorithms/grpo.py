@@ -14,10 +14,10 @@ A_i = r_i - mean(r), and each response's token sum divided by that constant, ave
 responses, as the authors' code computes it (sail-sg/oat, algorithms/ppo.py: `masked_sum(...,
 constant_normalizer=generate_max_length)` per response, then the minibatch mean; the k3 term alike).
 
-Both are exact per minibatch on one rank. Across ranks DeepSpeed averages the gradients, which is the
-batch-wide form when the ranks' shards are equal: as many responses (constant), as many tokens
-(token_mean). Under `constant` no row is left out (`gradient_rows`): the learner rescales a subset's
-loss by its share of tokens, right only for a token mean.
+Both are exact per minibatch, on one rank or several: the learner weighs each rank's loss by its
+share of the denominator (`loss_denominator`) before DeepSpeed averages the ranks' gradients. Under
+`constant` no row is left out (`gradient_rows`): the learner rescales a subset's loss by its share
+of tokens, right only for a token mean.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ The sums run over the response's trainable tokens (`loss_mask`); B counts every 
 
 REINFORCE is on-policy and has no importance weight. With learner.epochs 1 and learner.minibatches 1
 (the defaults) the one gradient step is taken at the weights that sampled the rows and the estimator
-is exact on one rank; across ranks DeepSpeed averages the ranks' gradients, the batch-wide mean when
-their shards hold as many responses. More epochs or minibatches take the later steps at updated
+is exact, on one rank or several (the learner weighs each rank's loss by its share of the responses
+before DeepSpeed averages the ranks' gradients). More epochs or minibatches take the later steps at updated
 weights with nothing correcting for it (a biased gradient): that regime, and trainer.mode=overlap
 (refused here: not TrainsOnStaleRows), is `rloo_clipped`'s. No row is left out of the forward
 (not SkipsRowsWithoutGradient): the learner rescales a subset's loss by tokens, right only for a token mean.

@@ -657,3 +657,53 @@ def test_a_local_qwen3_model_dir_trains_through_every_actor(ray_cluster, tmp_pat
     stats = ray_cluster.get(controller.workers[0].stats.remote())
     assert stats["version"] == 2 and stats["lean_decode"]
     assert [g.response_ids for g in served] == [g.response_ids for g in plain.generate(requests)]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_learner_ranks_take_the_one_rank_update_of_the_whole_batch(ray_cluster, tmp_path, algorithm):
+    """A batch split over two ranks whose shards differ in size (GRPO: 107 and 90 response tokens;
+    RLOO, a mean over responses: 6 and 5 rows) takes one rank's update on the whole batch: the
+    same gradient (its norm), loss and weights. DeepSpeed averages the ranks' gradients, so each
+    rank's mean loss is weighted by its share of what the loss averages over; unweighted, the
+    shorter shard's tokens (rows) count more per token (row) than the longer's."""
+    from actors.learner import Learner
+    from actors.modeling import PolicyOnly
+    from algorithms.grpo import GRPO
+    from algorithms.rloo import RLOO
+    from rlsys.cluster import free_port
+    from rlsys.models import TinyModelSpec, build_tiny_model, load_model, save_model_dir
+    from rlsys.run.actors import rank_means
+    from tests.actors.test_packing import grpo_fields, long_and_short_rows
+    from tests.fakes import assert_same_update
+
+    spec = TinyModelSpec(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    model_dir = save_model_dir(build_tiny_model(spec, seed=3), None, tmp_path / "policy")
+    batch = grpo_fields(long_and_short_rows(), PolicyOnly(load_model(model_dir)))
+    if algorithm == "grpo":
+        algo = GRPO(GRPO.Config(group_size=3, kl_coef=0.0))
+    else:
+        algo, batch = RLOO(RLOO.Config(group_size=3, kl_coef=0.0)), batch.select(slice(0, 11))
+    runs = []
+    for world_size in (1, 2):
+        port = free_port()
+        ranks = [
+            ray_cluster.remote(Learner)
+            .options(num_cpus=0.5)
+            .remote(str(model_dir), algo, lr=1e-2, rank=rank, world_size=world_size, master_port=port)
+            for rank in range(world_size)
+        ]
+        try:
+            steps = [  # two steps: AdamW's first moves each weight by ~lr whatever its gradient's size
+                rank_means(ray_cluster.get([l.train_step.remote(s) for l, s in zip(ranks, shards)], timeout=120))
+                for shards in [batch.split(world_size)] * 2
+            ]
+            runs.append((steps, ray_cluster.get(ranks[0].weights.remote(), timeout=60)))
+        finally:
+            for l in ranks:
+                ray_cluster.kill(l)
+    (one, one_weights), (two, two_weights) = runs
+    for one_step, two_step in zip(one, two):
+        for key in ("grad_norm", "loss"):
+            assert two_step[key] == pytest.approx(one_step[key], rel=1e-4), key
+    initial = {name: t.numpy() for name, t in load_model(model_dir).state_dict().items()}
+    assert_same_update(one_weights, two_weights, initial, lr=1e-2)
