@@ -409,7 +409,8 @@ class Learner:
 
     def _rows_with_gradient(self, mb):
         """(the minibatch's rows whose loss term can have a gradient, the factor that rescales
-        their token-mean loss to the whole minibatch's tokens, the share of rows left out).
+        their mean loss to the whole minibatch's (their share of `loss_denominator`: tokens for a
+        token mean, responses for a mean over responses), the share of rows left out).
         Leaving out rows the algorithm's `gradient_rows` says add nothing (GRPO's groups with
         equal rewards and no KL term) gives the same gradient for less compute; a minibatch
         with none keeps one row at factor 0, so the optimizer still steps on a zero gradient."""
@@ -422,7 +423,7 @@ class Learner:
         if not bool(keep.any()):
             return mb.select(slice(0, 1)).trim(), 0.0, skipped
         kept = mb.select(keep).trim()
-        return kept, kept.num_tokens() / max(mb.num_tokens(), 1), skipped
+        return kept, loss_denominator(self.algorithm, kept) / (loss_denominator(self.algorithm, mb) or 1.0), skipped
 
     def values(self, table: pa.Table) -> list[list[float]]:
         """The value head's estimate for each response token's state (PPO)."""

@@ -15,9 +15,9 @@ responses, as the authors' code computes it (sail-sg/oat, algorithms/ppo.py: `ma
 constant_normalizer=generate_max_length)` per response, then the minibatch mean; the k3 term alike).
 
 Both are exact per minibatch, on one rank or several: the learner weighs each rank's loss by its
-share of the denominator (`loss_denominator`) before DeepSpeed averages the ranks' gradients. Under
-`constant` no row is left out (`gradient_rows`): the learner rescales a subset's loss by its share
-of tokens, right only for a token mean.
+share of the denominator (`loss_denominator`) before DeepSpeed averages the ranks' gradients. With
+kl_coef 0 both leave the rows of a group with equal rewards out of the forward (`gradient_rows`):
+the learner rescales the others' loss by their share of the denominator.
 """
 
 from __future__ import annotations
@@ -123,10 +123,6 @@ class GRPO(
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
 
     def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
-        if self.config.loss_normalizer == "constant":
-            # every row counts in the B of B * max_tokens; the learner's rescaling of a
-            # subset is by tokens, which only a token mean allows
-            return torch.ones(len(batch), dtype=torch.bool)
         return rows_with_gradient(batch, self.config.kl_coef)
 
     def proximal_logprobs_needed(self) -> bool:

@@ -16,9 +16,9 @@ ranges in Equation (5) to 3e-4 and 4e-4"): a sequence ratio is a per-token mean 
 moves far less than a token's, and its clip range is two orders of magnitude narrower than PPO's 0.2.
 No KL term (kl_coef 0), as the paper's objective has none.
 
-The clipped ratio corrects rows a policy version old (TrainsOnStaleRows). No row is left out of the
-forward (not SkipsRowsWithoutGradient): the loss is a mean over responses, and the learner rescales
-a subset's loss by its share of tokens, right only for a token mean.
+The clipped ratio corrects rows a policy version old (TrainsOnStaleRows). With kl_coef 0 a response
+whose advantage is 0 (a group with equal rewards) adds nothing to the gradient and is left out of the
+forward (SkipsRowsWithoutGradient; the learner rescales the rest by their share of the responses).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from algorithms.base import register, rewards_of, sample_groups
-from algorithms.common import group_stats, grpo_advantages, k3_kl
+from algorithms.common import group_stats, grpo_advantages, k3_kl, rows_with_gradient
 from algorithms.grpo import sequence_advantage_batch
 from rlsys.batch import TrainBatch
 from rlsys.contract import (
@@ -38,6 +38,7 @@ from rlsys.contract import (
     ModelOutputs,
     PlaysEpisodes,
     ReportsPrepareMetrics,
+    SkipsRowsWithoutGradient,
     TrainsOnStaleRows,
 )
 
@@ -91,7 +92,9 @@ def row_advantages(batch: TrainBatch) -> torch.Tensor:
 
 
 @register("gspo")
-class GSPO(Algorithm, ReportsPrepareMetrics, AveragesLossOver, TrainsOnStaleRows, PlaysEpisodes):
+class GSPO(
+    Algorithm, ReportsPrepareMetrics, AveragesLossOver, SkipsRowsWithoutGradient, TrainsOnStaleRows, PlaysEpisodes
+):
     Config = GSPOConfig
     needs_value_head = False
 
@@ -106,6 +109,9 @@ class GSPO(Algorithm, ReportsPrepareMetrics, AveragesLossOver, TrainsOnStaleRows
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
+
+    def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
+        return rows_with_gradient(batch, self.config.kl_coef)
 
     def loss_denominator(self, batch: TrainBatch) -> float:
         return float(len(batch))  # a mean over responses

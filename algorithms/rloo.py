@@ -15,8 +15,9 @@ REINFORCE is on-policy and has no importance weight. With learner.epochs 1 and l
 is exact, on one rank or several (the learner weighs each rank's loss by its share of the responses
 before DeepSpeed averages the ranks' gradients). More epochs or minibatches take the later steps at updated
 weights with nothing correcting for it (a biased gradient): that regime, and trainer.mode=overlap
-(refused here: not TrainsOnStaleRows), is `rloo_clipped`'s. No row is left out of the forward
-(not SkipsRowsWithoutGradient): the learner rescales a subset's loss by tokens, right only for a token mean.
+(refused here: not TrainsOnStaleRows), is `rloo_clipped`'s. A response whose A_i is 0 (a group whose
+KL-penalised rewards are all equal: with kl_coef 0, equal task rewards) adds nothing to the gradient and
+is left out of the forward (SkipsRowsWithoutGradient; the learner rescales the rest by their share of B).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from pydantic import Field
 
 from algorithms.base import register, rewards_of, sample_groups
-from algorithms.common import broadcast_to_tokens, group_stats, rloo_advantages
+from algorithms.common import broadcast_to_tokens, group_stats, rloo_advantages, rows_with_gradient
 from rlsys.batch import TrainBatch, collate
 from rlsys.contract import (
     Algorithm,
@@ -35,6 +36,7 @@ from rlsys.contract import (
     ModelOutputs,
     PlaysEpisodes,
     ReportsPrepareMetrics,
+    SkipsRowsWithoutGradient,
 )
 
 
@@ -74,7 +76,7 @@ def reinforce_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch
 
 
 @register("rloo")
-class RLOO(Algorithm, ReportsPrepareMetrics, AveragesLossOver, PlaysEpisodes):
+class RLOO(Algorithm, ReportsPrepareMetrics, AveragesLossOver, SkipsRowsWithoutGradient, PlaysEpisodes):
     Config = RLOOConfig
     needs_value_head = False
 
@@ -98,6 +100,9 @@ class RLOO(Algorithm, ReportsPrepareMetrics, AveragesLossOver, PlaysEpisodes):
 
     def prepare_metrics(self, table: pa.Table) -> dict[str, float]:
         return group_stats(rewards_of(table).tolist(), table.column("group").to_pylist())
+
+    def gradient_rows(self, batch: TrainBatch) -> torch.Tensor:
+        return rows_with_gradient(batch, kl_coef=0.0)  # the KL is in the reward, not a loss term
 
     def loss_denominator(self, batch: TrainBatch) -> float:
         return float(len(batch))  # B, every row

@@ -117,8 +117,8 @@ class ReportsPrepareMetrics(Protocol):
 @runtime_checkable
 class SkipsRowsWithoutGradient(Protocol):
     """`gradient_rows(batch) -> bool[B]`: rows whose loss term has no gradient are left out of the
-    forward and backward. The loss must be a token mean over `response_mask` (the learner
-    rescales it to the whole minibatch's tokens)."""
+    forward and backward. The loss must be a mean over what `loss_denominator` counts (the
+    learner rescales the kept rows' loss by their share of it)."""
 
     def gradient_rows(self, batch: TrainBatch) -> torch.Tensor: ...
 

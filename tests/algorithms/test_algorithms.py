@@ -85,7 +85,7 @@ def test_rows_with_gradient_are_those_with_a_non_zero_advantage_unless_kl_counts
         cls = get_algorithm(name)
         return cls(cls.Config(kl_coef=kl))
 
-    for name in ("grpo", "rloo_clipped", "vineppo", "cdg"):
+    for name in ("grpo", "rloo_clipped", "vineppo", "cdg", "gspo"):
         assert built(name, 0.0).gradient_rows(batch).tolist() == [True, False, False], name
         assert built(name, 0.01).gradient_rows(batch).all(), name
     batch.extras["sft"] = torch.ones(3)

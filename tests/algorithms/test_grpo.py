@@ -68,10 +68,11 @@ def test_masked_sum_over_constant_counts_every_row():
     assert masked_sum_over_constant(x, mask, 4).item() == pytest.approx(2.0 / (2 * 4))
 
 
-def test_dr_grpo_trains_every_row_and_the_token_mean_leaves_zero_advantage_rows_out():
+def test_both_normalisers_leave_zero_advantage_rows_out_unless_kl_counts():
     b = batch()
     b.advantages[1] = 0.0
-    assert dr_grpo(kl_coef=0.0).gradient_rows(b).tolist() == [True, True, True]
+    assert dr_grpo(kl_coef=0.0).gradient_rows(b).tolist() == [True, False, True]
+    assert dr_grpo(kl_coef=0.1).gradient_rows(b).tolist() == [True, True, True]
     assert GRPO(GRPOConfig(kl_coef=0.0)).gradient_rows(b).tolist() == [True, False, True]
 
 

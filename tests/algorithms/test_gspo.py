@@ -125,5 +125,5 @@ def test_registered_with_the_capabilities_it_has():
     assert get_algorithm("gspo") is GSPO
     algo = GSPO()
     assert isinstance(algo, TrainsOnStaleRows)
-    assert not isinstance(algo, SkipsRowsWithoutGradient)  # a mean over responses: no token rescaling
+    assert isinstance(algo, SkipsRowsWithoutGradient)  # rescaled by its share of the responses
     assert (algo.config.clip_eps_low, algo.config.clip_eps_high, algo.config.kl_coef) == (3e-4, 4e-4, 0.0)

@@ -6,6 +6,7 @@ import torch
 
 from algorithms.base import get_algorithm
 from algorithms.rloo import RLOO, RLOOConfig, kl_penalised_sequence_rewards, reinforce_loss, sequence_kl
+from rlsys.batch import TrainBatch
 from rlsys.contract import ModelOutputs, SkipsRowsWithoutGradient, TrainsOnStaleRows
 from rlsys.experience import make_experience
 
@@ -119,8 +120,11 @@ def test_gradient_is_minus_advantage_times_grad_of_the_sequence_logprob_over_b()
 def test_rloo_is_the_papers_and_the_clipped_variant_keeps_its_own_name():
     rloo, clipped = get_algorithm("rloo"), get_algorithm("rloo_clipped")
     assert rloo is RLOO and set(RLOOConfig.model_fields) == {"group_size", "kl_coef"}  # no clip_eps: no ratio
-    # on-policy REINFORCE: no stale rows, no row left out of the sequence mean
-    assert not issubclass(rloo, TrainsOnStaleRows) and not issubclass(rloo, SkipsRowsWithoutGradient)
+    # on-policy REINFORCE: no stale rows; rows whose A_i is 0 left out (the KL is in the reward, not a loss term)
+    assert not issubclass(rloo, TrainsOnStaleRows) and issubclass(rloo, SkipsRowsWithoutGradient)
+    rows = TrainBatch(torch.ones(3, 3, dtype=torch.long), torch.ones(3, 3), torch.ones(3, 2))
+    rows.advantages = torch.tensor([[0.5, 0.5], [0.0, 0.0], [-0.5, -0.5]])
+    assert rloo(RLOOConfig(kl_coef=0.1)).gradient_rows(rows).tolist() == [True, False, True]
     assert issubclass(clipped, TrainsOnStaleRows) and issubclass(clipped, SkipsRowsWithoutGradient)
     # the clipped variant: leave-one-out on the task reward alone, in GRPO's clipped surrogate and k3 loss
     from algorithms.common import clipped_policy_loss_with_kl, rloo_advantages

@@ -232,16 +232,20 @@ def test_weight_sync_is_sent_unawaited_and_its_failure_surfaces_at_the_next_gene
     c.shutdown()
 
 
-def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray_cluster, tmp_path):
-    """GRPO groups with equal rewards (no KL term) are left out of the learner's forward and
-    backward, and each group's prompt runs once; its loss, gradient norm, clipping and AdamW steps
-    are those of plain torch on every row."""
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "gspo"])
+def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray_cluster, tmp_path, algorithm):
+    """Groups with equal rewards (no KL term) are left out of the learner's forward and backward,
+    and each group's prompt runs once; the others' loss is rescaled by their share of what the loss
+    averages over (GRPO's tokens; Dr.GRPO's responses x a constant, RLOO's and GSPO's responses).
+    Its loss, gradient norm, clipping and AdamW steps are those of plain torch on every row."""
     import numpy as np
     import torch
 
     from actors.learner import Learner
     from actors.modeling import PolicyOnly
     from algorithms.grpo import GRPO
+    from algorithms.gspo import GSPO
+    from algorithms.rloo import RLOO
     from rlsys.batch import collate
     from rlsys.cluster import free_port
     from rlsys.contract import ModelOutputs
@@ -281,13 +285,21 @@ def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray
             row["logprobs"] = lp[m > 0].tolist()
         return algo.prepare(make_experience(rows))
 
-    algo = GRPO(GRPO.Config(group_size=4, kl_coef=0.0))
+    algo = {
+        "grpo": lambda: GRPO(GRPO.Config(group_size=4, kl_coef=0.0)),
+        "dr_grpo": lambda: GRPO(
+            GRPO.Config(group_size=4, kl_coef=0.0, std_normalize=False, loss_normalizer="constant", max_tokens=6)
+        ),
+        "rloo": lambda: RLOO(RLOO.Config(group_size=4, kl_coef=0.0)),
+        "gspo": lambda: GSPO(GSPO.Config(group_size=4)),
+    }[algorithm]()
     steps = [
         batch([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]),  # two groups of equal rewards
         batch([0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]),  # three
         batch([1, 1, 1, 1] * 4),
     ]  # every group: the step's gradient is zero
-    for grad_clip in (0.0, 0.05):  # unclipped, and clipped at every step (the norms here are ~0.1-1)
+    # unclipped, and clipped at every step (the norms here are ~0.1-1)
+    for grad_clip in (0.0, 0.05) if algorithm == "grpo" else (0.05,):
         policy = PolicyOnly(load_model(str(model_dir)))
         learner = ray_cluster.remote(Learner).remote(
             str(model_dir), algo, lr=1e-2, grad_clip=grad_clip, master_port=free_port()
