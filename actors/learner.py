@@ -365,7 +365,7 @@ class Learner:
         row = 0
         for mb in batch.split(minibatches):
             mb = mb.trim().to(self.device)
-            share = mb.response_mask if self._shared_prompts(mb) else None
+            share = mb.response_mask if self._shared_prompts(mb, backward=False) else None
             logprobs = self.module(mb.input_ids, mb.attention_mask, self.temperature, share)[1]
             out[row : row + len(mb), : logprobs.shape[1]] = logprobs.float().cpu()
             row += len(mb)
@@ -398,11 +398,12 @@ class Learner:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return self.world_size * own / float(total.item()) if total.item() > 0 else 1.0
 
-    def _shared_prompts(self, mb) -> bool:
+    def _shared_prompts(self, mb, backward: bool = True) -> bool:
         """Whether `mb`'s padded forward may run its repeated prompts once (rlsys/logprobs.py
         `shared_prompt_passes`: two passes where the plain forward is one). Out of lockstep the
-        forward decides; in lockstep only when it would on every rank, for the same forwards."""
-        if not self.lockstep:
+        forward decides; in lockstep, where ranks meet in the forward (ZeRO-3's gathers) or its
+        backward (ZeRO-2/3's reduces), only when it would on every rank, for the same forwards."""
+        if not self.lockstep or (self.zero_stage < 3 and not backward):
             return True
         repeated = repeated_prompts(mb.input_ids, mb.attention_mask, prompt_lengths(mb.response_mask))
         return not self._agree(repeated is None)
