@@ -1,4 +1,5 @@
-"""Token-budget micro-batches and packed forwards (`learner.max_tokens_per_microbatch`).
+"""Token-budget micro-batches and packed forwards (`learner.max_tokens_per_microbatch`), and the
+learner ranks' shards balanced by the tokens they train on (`plan_rank_shards`).
 
 A minibatch (one optimizer step) is cut into micro-batches whose real tokens stay within a
 budget, rows that share a prompt kept together (`plan_microbatches`); each micro-batch's rows
@@ -67,6 +68,40 @@ def packing_pays(batch: TrainBatch) -> bool:
     return padded_positions(batch) > PACKING_PAYS_ABOVE * int(batch.attention_mask.sum())
 
 
+def group_runs(groups: Sequence[int]) -> list[list[int]]:
+    """Row indices of each run of consecutive rows with one group number."""
+    runs: list[list[int]] = []
+    for i, g in enumerate(groups):
+        if runs and groups[i - 1] == g:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def plan_rank_shards(costs: Sequence[float], groups: Sequence[int], ranks: int) -> list[list[int]]:
+    """Row indices of each learner rank's shard, balanced by the rows' `costs`: whole groups (runs
+    of one group number, as `plan_microbatches` keeps them), the costliest first to the rank with
+    the least cost so far (ties: the one with fewer rows, then the lower rank), each shard's rows
+    in batch order. Every rank gets a row: with fewer groups than ranks, nearly equal contiguous
+    shards (groups cut), as `TrainBatch.split`."""
+    if len(costs) != len(groups):
+        raise ValueError(f"{len(costs)} row costs for {len(groups)} group numbers")
+    if len(costs) < ranks:
+        raise ValueError(f"{len(costs)} row(s) for {ranks} ranks")
+    runs = group_runs(groups)
+    if len(runs) < ranks:
+        bounds = [len(costs) * r // ranks for r in range(ranks + 1)]
+        return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    shards: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0.0] * ranks
+    for run in sorted(runs, key=lambda run: -sum(costs[i] for i in run)):  # stable: ties keep batch order
+        rank = min(range(ranks), key=lambda r: (load[r], len(shards[r]), r))
+        shards[rank] += run
+        load[rank] += sum(costs[i] for i in run)
+    return [sorted(rows) for rows in shards]
+
+
 def plan_microbatches(lengths: Sequence[int], groups: Sequence[int], budget: int) -> list[list[int]]:
     """Row indices of each micro-batch. A group (a run of consecutive rows with one group number)
     is never cut; groups go first-fit in decreasing size into micro-batches of at most `budget`
@@ -77,12 +112,7 @@ def plan_microbatches(lengths: Sequence[int], groups: Sequence[int], budget: int
         raise ValueError(f"a micro-batch token budget must be >= 1, not {budget}")
     if len(lengths) != len(groups):
         raise ValueError(f"{len(lengths)} row lengths for {len(groups)} group numbers")
-    runs: list[list[int]] = []
-    for i, g in enumerate(groups):
-        if runs and groups[i - 1] == g:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
+    runs = group_runs(groups)
     tokens = [sum(lengths[i] for i in run) for run in runs]
     bins: list[list[int]] = []  # run indices
     room: list[int] = []

@@ -7,16 +7,19 @@ from pathlib import Path
 
 import numpy as np
 import ray
+import torch
 
 from actors.learner import Learner
 from actors.reference import ReferenceWorker
 from actors.rollout import RolloutWorker
+from rlsys.batch import TrainBatch
 from rlsys.buffer import ExperienceBuffer
 from rlsys.checkpoint import candidates
 from rlsys.cluster import free_port
 from rlsys.config import JobConfig
-from rlsys.contract import Algorithm, MovesReference, policy_names
+from rlsys.contract import Algorithm, MovesReference, SkipsRowsWithoutGradient, policy_names
 from rlsys.errors import LearnerFailed, RunFailed
+from rlsys.packing import plan_rank_shards, prompt_groups
 from rlsys.placement import (
     learner_gpus,
     learner_placement,
@@ -186,12 +189,12 @@ def learner_schedule(cfg: JobConfig) -> dict:
 
 
 class Learners:
-    """The learner ranks of every trained policy: a step's train calls, their metrics, restarts.
-    A dead rank ends the run with one line naming it and the checkpoint to resume from (the
-    DeepSpeed group cannot go on without it)."""
+    """The learner ranks of every trained policy: a step's train calls (each rank's shard of the
+    batch, `rank_shards`), their metrics, restarts. A dead rank ends the run with one line naming
+    it and the checkpoint to resume from (the DeepSpeed group cannot go on without it)."""
 
-    def __init__(self, policies: dict[str, PolicyActors], run_dir: Path):
-        self.policies, self.run_dir = policies, Path(run_dir)
+    def __init__(self, policies: dict[str, PolicyActors], run_dir: Path, algorithm: Algorithm | None = None):
+        self.policies, self.run_dir, self.algorithm = policies, Path(run_dir), algorithm
         self.main_policy = next(iter(policies))
         self.step = 1  # the step being trained, for the error line
         self.nodes: list[str] = []  # the node each rank of the run's policy runs on, for the error line
@@ -214,7 +217,8 @@ class Learners:
                 raise RunFailed(f"step {step}: {len(batch)} row(s) to train for {ranks} learner ranks")
         for name, batch in batches.items():
             p, slot = self.policies[name], weights.train_slot(name, version)
-            training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, batch.split(len(p.learners)))]
+            shards = rank_shards(batch, len(p.learners), self.algorithm)
+            training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, shards)]
         return training
 
     def wait(self, training: dict[str, list]) -> dict[str, float]:
@@ -269,6 +273,24 @@ def lost_or_not(node: str) -> str:
         return ""
     except OSError:
         return ", which the cluster lost"
+
+
+def rank_shards(batch: TrainBatch, ranks: int, algorithm: Algorithm | None) -> list[TrainBatch]:
+    """Each learner rank's rows: whole prompt groups balanced by the tokens each rank trains on
+    (`plan_rank_shards`; a row `algorithm` leaves out of the forward, `gradient_rows`, costs
+    nothing). The ranks meet in the gradient all-reduce, so a step lasts as long as the busiest
+    rank; the loss is weighed across ranks (`Learner._share_of_ranks`), so any split gives the
+    same gradient."""
+    if ranks == 1:
+        return [batch]
+    trained = (
+        algorithm.gradient_rows(batch)
+        if isinstance(algorithm, SkipsRowsWithoutGradient)
+        else torch.ones(len(batch), dtype=torch.bool)
+    )
+    costs = (batch.attention_mask.sum(1) * trained).tolist()
+    plan = plan_rank_shards(costs, prompt_groups(batch.input_ids, batch.response_mask), ranks)
+    return [batch.select(torch.tensor(rows)) for rows in plan]
 
 
 def rank_means(rank_metrics: list[dict]) -> dict[str, float]:

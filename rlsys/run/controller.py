@@ -159,7 +159,7 @@ class Controller:
             actors.reward,
             actors.buffer,
         )
-        self.learner_group = Learners(self.policies, self.run_dir)
+        self.learner_group = Learners(self.policies, self.run_dir, self.algorithm)
         try:
             self.weights = make_weight_sync(cfg, self.policies, self.learner_group.get)
         except Exception:

@@ -19,6 +19,7 @@ from rlsys.packing import (
     pack_rows,
     packed_logprobs,
     plan_microbatches,
+    plan_rank_shards,
     prompt_groups,
     row_lengths,
     row_spans,
@@ -185,6 +186,49 @@ def test_the_plan_keeps_to_the_budget_and_never_cuts_a_group():
     assert plan_microbatches([3, 3], [0, 0], 4) == [[0, 1]]  # a pair over the budget stays together
     with pytest.raises(ValueError, match=">= 1"):
         plan_microbatches(lengths, groups, 0)
+
+
+def test_rank_shards_balance_the_trained_tokens_and_keep_groups_whole():
+    """Whole groups, the costliest first to the least-loaded rank: every row once, each shard in
+    batch order, its cost within the largest group of the mean; groups of no cost (rows without
+    gradient) spread by rows; fewer groups than ranks: contiguous shards, every rank a row."""
+    costs = [5, 7, 3, 40, 12, 12, 0, 0, 30, 1, 1, 1]
+    groups = [0, 0, 0, 1, 2, 2, 3, 3, 4, 5, 5, 5]
+    for ranks in (1, 2, 3, 4):
+        plan = plan_rank_shards(costs, groups, ranks)
+        assert len(plan) == ranks and all(plan)
+        assert sorted(i for rows in plan for i in rows) == list(range(len(costs)))
+        assert all(rows == sorted(rows) for rows in plan)
+        where = {i: k for k, rows in enumerate(plan) for i in rows}
+        assert all(where[i] == where[j] for i in range(12) for j in range(12) if groups[i] == groups[j])
+        loads = [sum(costs[i] for i in rows) for rows in plan]
+        assert max(loads) - min(loads) <= 40  # LPT: within the largest group
+    assert plan_rank_shards(costs, groups, 2) == [[0, 1, 2, 3, 6, 7], [4, 5, 8, 9, 10, 11]]  # 40+15+0 | 30+24+3
+    assert plan_rank_shards([0] * 6, [0, 0, 1, 1, 2, 2], 2) == [[0, 1, 4, 5], [2, 3]]  # no cost: by rows
+    assert plan_rank_shards([1, 2, 3], [0, 0, 0], 2) == [[0], [1, 2]]  # one group, two ranks: cut
+    with pytest.raises(ValueError, match="2 row\\(s\\) for 3 ranks"):
+        plan_rank_shards([1, 2], [0, 1], 3)
+
+
+def test_learner_ranks_get_shards_balanced_by_the_rows_they_train():
+    """`rank_shards`: a GRPO batch whose first half holds the groups without gradient (kl_coef 0)
+    splits by the tokens of the rows trained (prompt and response), not by halves; every row goes
+    to one rank, rows of a group together."""
+    from algorithms.grpo import GRPO
+    from rlsys.run.actors import rank_shards
+
+    batch = long_and_short_rows()  # four groups of three: 19, 88, 33 and 57 tokens of responses
+    batch.advantages = torch.ones_like(batch.response_mask) * batch.response_mask
+    batch.advantages[:6] = 0  # groups 0 and 1 carry no gradient
+    algo = GRPO(GRPO.Config(group_size=3, kl_coef=0.0))
+    shards = rank_shards(batch, 2, algo)
+    assert [int(s.advantages.abs().sum(1).gt(0).sum()) for s in shards] == [3, 3]  # one trained group each
+    assert [len(s) for s in shards] == [3, 9]  # 75 tokens | 45, and the untrained groups (no cost)
+    assert sum(s.num_tokens() for s in shards) == batch.num_tokens()
+    contiguous = batch.split(2)
+    assert [int(s.advantages.abs().sum(1).gt(0).sum()) for s in contiguous] == [0, 6]
+    assert rank_shards(batch, 1, algo)[0] is batch
+    assert [len(s) for s in rank_shards(batch, 3, None)] == [3, 3, 6]  # every row trained: 103 | 75 | 45 + 28 tokens
 
 
 def test_microbatches_of_a_batch_follow_its_prompts():
