@@ -279,7 +279,8 @@ class Learner:
         proximal = isinstance(self.algorithm, UsesProximalLogprobs) and self.algorithm.proximal_logprobs_needed()
         # the batch's old_logprobs are the sampler's: the gap to the learner's is measured each step
         sampled = isinstance(self.algorithm, (UsesProximalLogprobs, TrainsOnStaleRows))
-        minibatches = self._agree(min(self.minibatches, len(batch)), lowest=True)  # as many optimizer steps a rank
+        # as many optimizer steps a rank (every rank has a row: one minibatch needs no all-reduce)
+        minibatches = self._agree(min(self.minibatches, len(batch)), lowest=True) if self.minibatches > 1 else 1
         one_update = self.epochs == 1 and minibatches == 1
         if proximal and not one_update:  # the policy before the first update, for every minibatch
             batch.proximal_logprobs = self._logprobs_before_update(batch, minibatches)

@@ -114,10 +114,12 @@ def train_batch(algorithm, gens):
     return algorithm.prepare(make_experience(rows))
 
 
-def whole_machine(cores: int) -> list[str]:
+def whole_machine(cores: int, learner_ranks: bool = False) -> list[str]:
     """rlsys's end-to-end run without overlap on every core: generation and training take turns, so
-    each gets them all (a rollout worker per core, one thread each; the learner on `cores` threads)."""
-    return [f"rollout.num_workers={cores}", "rollout.threads_per_worker=1", f"learner.threads={cores}"]
+    each gets them all (a rollout worker per core, one thread each; the learner on `cores` threads,
+    or with `learner_ranks` as `cores` ranks of one thread each)."""
+    learner = [f"learner.num_ranks={cores}", "learner.threads=1"] if learner_ranks else [f"learner.threads={cores}"]
+    return [f"rollout.num_workers={cores}", "rollout.threads_per_worker=1", *learner]
 
 
 def rule_reward(cfg, task):
@@ -501,7 +503,71 @@ class Bench:
                 ours / peak,
                 ">= 0.5",
             )
+        self.step_flops = counted["rlsys"]
         torch.set_num_threads(1)
+
+    def learner_ranks(self, flat_groups: int = 3, layouts: int = 5):
+        """Every core as that many learner ranks of one thread each (Ray actors, each rank's shard
+        from `rank_shards`, gradients all-reduced): the flops figure's FLOPs over the step's time
+        as the run sees it, against the matmul peak of as many threads. Then the shards balanced by
+        the tokens each rank trains vs `TrainBatch.split`'s contiguous halves, on the batch with
+        `flat_groups` of its groups without gradient (kl_coef 0: left out of the forward), in
+        `layouts` random placements: the median ratio of their step times."""
+        import numpy as np
+        import ray
+
+        from actors.learner import Learner
+        from rlsys.cluster import free_port
+        from rlsys.run.actors import rank_shards
+
+        n, l, algorithm, batch = self.default_threads, self.cfg.learner, self.controller.algorithm, self.learner_batch
+        port = free_port()
+        ranks = [
+            ray.remote(Learner)
+            .options(num_cpus=1)
+            .remote(
+                self.policy_dir,
+                algorithm,
+                lr=l.lr,
+                grad_clip=l.grad_clip,
+                threads=1,
+                rank=rank,
+                world_size=n,
+                master_port=port,
+            )
+            for rank in range(n)
+        ]
+        step = lambda shards: ray.get([r.train_step.remote(s) for r, s in zip(ranks, shards)])
+        shards = rank_shards(batch, n, algorithm)
+        t_ranks, peak = timed(lambda: step(shards), self.reps), matmul_peak_flops(n)
+        self.add(
+            f"the flops figure's batch on {n} learner ranks of 1 thread each vs the fp32 matmul peak of {n} threads "
+            f"(the step's time as the run sees it: Ray calls, the gradient all-reduce)",
+            f"{self.step_flops / t_ranks / 1e9:.0f}",
+            f"{peak / 1e9:.0f}",
+            self.step_flops / t_ranks / peak,
+            ">= 0.5",
+        )
+        groups, size = len(batch) // 4, 4
+        ratios = []
+        for seed in range(layouts):
+            flat = batch.select(slice(None))
+            flat.advantages = flat.advantages.clone()
+            for g in np.random.default_rng(seed).choice(groups, flat_groups, replace=False):
+                flat.advantages[g * size : (g + 1) * size] = 0
+            balanced, halves = rank_shards(flat, n, algorithm), flat.split(n)
+            t_balanced, t_halves = paired(lambda: step(balanced), lambda: step(halves), self.reps)
+            ratios.append(t_balanced / t_halves)
+        self.add(
+            f"learner step on {n} ranks, shards balanced by the tokens each trains vs contiguous halves ({flat_groups} "
+            f"of {groups} groups without gradient, {layouts} random layouts, the median ratio; time)",
+            "-",
+            "-",
+            statistics.median(ratios),
+            "(time)",
+        )
+        for r in ranks:
+            ray.kill(r)
 
     # ---- 3. weight sync, 4. scaling (Ray actors) --------------------------------------
     def weight_sync(self, learner, worker) -> dict:
@@ -741,9 +807,20 @@ class Bench:
             progress=False,
         )
         over.start_actors(over.prepare_policy())
+        # the same policy without overlap, the learner as a rank per core (one thread each)
+        ranks = Controller(
+            load_config(
+                self.shape.config,
+                [*common, "run.name=e2e-ranks", f"model.path={policy_dir}", "sft.steps=0", *whole_machine(whole, True)],
+            ),
+            run_dir.parent / "e2e-ranks",
+            progress=False,
+        )
+        ranks.start_actors(ranks.prepare_policy())
         start_accuracy = c.evaluate(greedy=True)["accuracy"]
         cfg = c.cfg
         ours, overlapped, theirs, rewards, over_rewards, phases, lengths, threads = [], [], [], [], [], {}, [], set()
+        split, split_rewards = [], []
 
         class Interleave(TrainerCallback):  # one step of each rlsys run after each TRL step: drift hits all alike
             def on_step_begin(self, *a, **k):
@@ -767,6 +844,11 @@ class Bench:
                 over.ctx.settle_sync()
                 overlapped.append(time.perf_counter() - start)
                 over_rewards.append(m["reward/mean"])
+                start = time.perf_counter()
+                m = ranks.train_step()
+                ranks.ctx.settle_sync()
+                split.append(time.perf_counter() - start)
+                split_rewards.append(m["reward/mean"])
 
         task, tok = c.task, c.tokenizer
         tok.padding_side = "left"
@@ -815,13 +897,18 @@ class Bench:
         torch.set_num_threads(1)
         # "equal or better reward after the same number of samples": each run's final policy,
         # greedy on the held-out split, through the same rollout worker (TRL's weights loaded into it)
-        accuracy = {"rlsys": c.evaluate(greedy=True)["accuracy"], "overlap": over.evaluate(greedy=True)["accuracy"]}
+        accuracy = {
+            "rlsys": c.evaluate(greedy=True)["accuracy"],
+            "overlap": over.evaluate(greedy=True)["accuracy"],
+            "ranks": ranks.evaluate(greedy=True)["accuracy"],
+        }
         ray.get([w.load_weights.remote(c.ctx.policy_version, state_dict_numpy(trainer.model)) for w in c.workers])
         accuracy["trl"] = c.evaluate(greedy=True)["accuracy"]
-        c.shutdown(), over.shutdown()
+        c.shutdown(), over.shutdown(), ranks.shutdown()
         samples = prompts * group
         ours_sps, theirs_sps = samples / statistics.median(ours[1:]), samples / statistics.median(theirs[1:])
         over_sps = samples / statistics.median(overlapped[1:])
+        split_sps = samples / statistics.median(split[1:])
         trl_reward = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         trl_length = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
         print(
@@ -850,6 +937,15 @@ class Bench:
             over_sps / theirs_sps,
             ">= 2x",
         )
+        self.add(
+            f"end-to-end without overlap, the learner as {whole} ranks of 1 thread each (mean train reward "
+            f"{statistics.mean(split_rewards):.2f} vs TRL {statistics.mean(trl_reward):.2f}; held-out greedy accuracy "
+            f"{accuracy['ranks']:.3f} vs {accuracy['trl']:.3f})",
+            f"{split_sps:.1f}",
+            f"{theirs_sps:.1f}",
+            split_sps / theirs_sps,
+            ">= 1.5x",
+        )
         total = sum(ours)
         return "rlsys end-to-end step split: " + ", ".join(
             f"{k} {v / total:.0%}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
@@ -873,7 +969,7 @@ def main(argv: list[str]) -> None:
     only = set(args.only.split(",")) if args.only else set(shape.figures)
     if only - set(FIGURES):
         ap.error(f"--only: unknown figures {sorted(only - set(FIGURES))} (choose from {', '.join(FIGURES)})")
-    init_ray(num_cpus=8)  # logical: the e2e figure runs two controllers' actors side by side
+    init_ray(num_cpus=12)  # logical: the e2e figure runs three controllers' actors side by side
     bench = Bench(reps=3 if args.quick else 7, shape=shape)
     t0 = time.perf_counter()
     # end to end first: the other figures' in-process learner and workers leave this process slower
@@ -904,6 +1000,8 @@ def main(argv: list[str]) -> None:
         bench.learner(worker.generate(bench.requests(32, shape.new)))
     if "flops" in only:
         bench.flops()
+        if bench.default_threads > 1:
+            bench.learner_ranks()
     if "ray" in only:
         bench.ray_figures()
     if "growth" in only:

@@ -61,7 +61,7 @@ class TrainBatch:
         return self._map(lambda t: t[index])
 
     def split(self, n: int) -> list["TrainBatch"]:
-        """n nearly equal contiguous shards (for ranks or minibatches); empty ones dropped."""
+        """n nearly equal contiguous shards (a rank's minibatches); empty ones dropped."""
         bounds = np.linspace(0, len(self), n + 1).astype(int)
         return [self.select(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
