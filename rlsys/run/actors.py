@@ -279,8 +279,8 @@ def rank_shards(batch: TrainBatch, ranks: int, algorithm: Algorithm | None) -> l
     """Each learner rank's rows: whole prompt groups balanced by the tokens each rank trains on
     (`plan_rank_shards`; a row `algorithm` leaves out of the forward, `gradient_rows`, costs
     nothing). The ranks meet in the gradient all-reduce, so a step lasts as long as the busiest
-    rank; the loss is weighed across ranks (`Learner._share_of_ranks`), so any split gives the
-    same gradient."""
+    rank; the loss is weighed across ranks (`Learner._share_of_ranks`), so with one minibatch a
+    step (learner.minibatches 1) any split gives the same gradient."""
     if ranks == 1:
         return [batch]
     trained = (
