@@ -375,14 +375,18 @@ class Learner:
     def _agree(self, value: int, lowest: bool = False) -> int:
         """The largest `value` of all ranks (the smallest with `lowest`), in one all-reduce that
         every rank must join; this rank's own with one rank."""
+        return int(self._all_ranks(int(value), "min" if lowest else "max"))
+
+    def _all_ranks(self, value: float, op: str) -> float:
+        """`value` reduced over the ranks by `op` (sum, min, max) in one float64 all-reduce that
+        every rank must join (exact for the integers it agrees on); `value` itself with one rank."""
         if self.world_size == 1:
-            return int(value)
+            return value
         import deepspeed.comm as dist
 
-        sign = -1 if lowest else 1
-        agreed = torch.tensor([sign * int(value)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        return sign * int(agreed.item())
+        reduced = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+        return float(reduced.item())
 
     def _share_of_ranks(self, mb) -> float:
         """The factor on this rank's minibatch loss under which the ranks' gradients, which
@@ -392,12 +396,9 @@ class Learner:
         (row) alike, as one rank on the whole batch does."""
         if self.world_size == 1:
             return 1.0
-        import deepspeed.comm as dist
-
         own = loss_denominator(self.algorithm, mb)
-        total = torch.tensor([own], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return self.world_size * own / float(total.item()) if total.item() > 0 else 1.0
+        total = self._all_ranks(own, "sum")
+        return self.world_size * own / total if total > 0 else 1.0
 
     def _shared_prompts(self, mb, backward: bool = True) -> bool:
         """Whether `mb`'s padded forward may run its repeated prompts once (rlsys/logprobs.py
