@@ -6,7 +6,7 @@ machine's drift hits all of them. Prints one markdown table (also OUT/async.md; 
 OUT/async.jsonl): training samples/s and its ratio to sync, held-out greedy accuracy after the
 steps, the rows' staleness and the batches dropped.
 
-    .venv/bin/python benchmarks/async.py   # sync (1- and 2-thread learner), overlap, async k = 1 2 4, partial/continue
+    .venv/bin/python benchmarks/async.py   # sync (1-, 2-thread, 2-rank learner), overlap, async k = 1 2 4, ...
     .venv/bin/python benchmarks/async.py --steps 6 --seeds 0 --warm runs/reasoning/policy_init
     .venv/bin/python benchmarks/async.py --long-tail     # 2x1 ... 4x4 digits: responses of ~45-350 tokens
 
@@ -33,6 +33,8 @@ MODES = {
     "sync": ["trainer.mode=sync"],
     # sync's learner alone on the machine while it trains: both cores to it, as a sync user would set
     "sync, 2-thread learner": ["trainer.mode=sync", "learner.threads=2"],
+    # or a learner rank per core, the faster of the two on this CPU (docs/benchmarks.md)
+    "sync, learner ranks": ["trainer.mode=sync", "learner.num_ranks=2", "learner.threads=1"],
     "overlap": ["trainer.mode=overlap", "buffer.max_staleness=1"],
     "async k=1": ["trainer.mode=async", "buffer.max_staleness=1"],
     "async k=2": ["trainer.mode=async", "buffer.max_staleness=2"],
@@ -40,6 +42,8 @@ MODES = {
     "async k=2, partial": ["trainer.mode=async", "buffer.max_staleness=2", "rollout.inflight_update=resume"]
     + ["rollout.inflight_chunk_tokens=32"],
     "async k=2, continue": ["trainer.mode=async", "buffer.max_staleness=2", "rollout.inflight_update=continue"],
+    "async k=2, learner ranks": ["trainer.mode=async", "buffer.max_staleness=2", "learner.num_ranks=2"]
+    + ["learner.threads=1"],
 }
 
 
@@ -153,7 +157,7 @@ def main(argv: list[str]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.long_tail:
         overrides = [*long_tail_data(args.out), *overrides]
-    init_ray()
+    init_ray(num_cpus=4)  # logical: 2 workers and 2 learner ranks beside the reference
     bench = reasoning_bench()
     warm_dir = args.warm or bench.warm_policy(args.config, overrides, args.out)[0]
     results = []
