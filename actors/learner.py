@@ -49,9 +49,13 @@ from rlsys.packing import AUTO_PACK_TOKENS, microbatches, packing_pays
 from rlsys.weight_digest import digest
 
 
-def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False, offload: str = "none") -> dict:
-    """The DeepSpeed config of a learner rank; `bf16` adds DeepSpeed's bf16 section (bf16
-    weights and activations, fp32 master weights in the optimizer), for CUDA learners; `offload`
+def deepspeed_config(
+    zero_stage: int, grad_clip: float, bf16: bool = False, offload: str = "none", device: str = "cuda"
+) -> dict:
+    """The DeepSpeed config of a learner rank; `bf16` adds, on CUDA, DeepSpeed's bf16 section (bf16
+    weights and activations, fp32 master weights in the optimizer) and, on a CPU, its
+    `torch_autocast` section (the engine's forward under torch.autocast: linear layers and
+    attention in bf16, the weights, their gradients and the optimizer in fp32); `offload`
     (optimizer, params) DeepSpeed's ZeRO-Offload of the optimizer state (and the parameters) to
     host memory, the step run there by the torch AdamW the learner hands in."""
     config = {
@@ -63,8 +67,10 @@ def deepspeed_config(zero_stage: int, grad_clip: float, bf16: bool = False, offl
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if bf16:
+    if bf16 and device == "cuda":
         config["bf16"] = {"enabled": True}
+    elif bf16:  # gradients reduced in fp32 across ranks (no lower-precision modules)
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     if offload in ("optimizer", "params"):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         config["zero_force_ds_cpu_optimizer"] = False  # our torch AdamW steps the offloaded state, not DeepSpeedCPUAdam
@@ -174,8 +180,6 @@ class Learner:
         if device == "cuda":
             torch.cuda.set_device(0)  # LOCAL_RANK 0: each rank's actor sees its own GPU
         self.device = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
-        if bf16 and device != "cuda":
-            raise RuntimeError("learner.bf16 needs a CUDA learner, and no GPU is visible to this rank")
         if offload != "none" and device != "cuda":
             print(
                 f"rlsys: learner.offload={offload} on a CPU learner changes nothing: its parameters and optimizer "
@@ -199,9 +203,10 @@ class Learner:
         self.lockstep = world_size > 1 and zero_stage >= 2
         self.temperature = temperature
         self.zero_stage = zero_stage
-        # ZeRO-0 in fp32: the learner clips with torch's foreach clip and reports the norm (DeepSpeed
-        # clips there tensor by tensor and reports none); under ZeRO or bf16 DeepSpeed clips its own state
-        self.own_clip = (grad_clip or math.inf) if zero_stage == 0 and not bf16 else None
+        # ZeRO-0 with fp32 weights: the learner clips with torch's foreach clip and reports the norm
+        # (DeepSpeed clips there tensor by tensor and reports none); under ZeRO or CUDA bf16 DeepSpeed
+        # clips its own state
+        self.own_clip = (grad_clip or math.inf) if zero_stage == 0 and not (bf16 and device == "cuda") else None
         self._engine_args = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -249,7 +254,7 @@ class Learner:
             model=module,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"], self.offload),
+            config=deepspeed_config(self.zero_stage, a["grad_clip"], a["bf16"], self.offload, self.device.type),
         )
         if self.peft is not None:  # a checkpoint's model part: the trained tensors only
             engine.module_state_dict = partial(trained_state_dict, module)
@@ -367,7 +372,8 @@ class Learner:
         for mb in batch.split(minibatches):
             mb = mb.trim().to(self.device)
             share = mb.response_mask if self._shared_prompts(mb, backward=False) else None
-            logprobs = self.module(mb.input_ids, mb.attention_mask, self.temperature, share)[1]
+            with self._precision():
+                logprobs = self.module(mb.input_ids, mb.attention_mask, self.temperature, share)[1]
             out[row : row + len(mb), : logprobs.shape[1]] = logprobs.float().cpu()
             row += len(mb)
         return out
@@ -450,7 +456,17 @@ class Learner:
         forward = lambda ids, mask, span, packed: self.module(
             ids.to(self.device), mask.to(self.device), self.temperature, span.to(self.device), packed
         )[output]
-        return per_response_tokens(forward, table, max_tokens=self.max_tokens_per_microbatch, auto_pack=self.auto_pack)
+        with self._precision():
+            return per_response_tokens(
+                forward, table, max_tokens=self.max_tokens_per_microbatch, auto_pack=self.auto_pack
+            )
+
+    def _precision(self):
+        """The engine's autocast (a CPU learner under learner.bf16) for a forward of the module
+        outside the engine, so every forward of this learner computes as its training forward."""
+        from deepspeed.runtime.torch_autocast import autocast_if_enabled
+
+        return autocast_if_enabled(self.engine)
 
     @contextmanager
     def _full_policy(self):

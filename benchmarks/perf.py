@@ -4,6 +4,7 @@ on the quickstart's model and task or at the reasoning task's shape. Prints one 
     .venv/bin/python benchmarks/perf.py                      # 7 timed repeats per figure
     .venv/bin/python benchmarks/perf.py --quick              # 3 repeats, shorter SFT and TRL runs
     .venv/bin/python benchmarks/perf.py --shape reasoning    # configs/reasoning.yaml: ~100-token responses
+    .venv/bin/python benchmarks/perf.py --only learner,e2e --bf16   # both sides in bf16 mixed precision
 
 Figures: rollout tokens/s (rlsys's HF backend vs plain `model.generate` sampling the same
 distribution: every row for all its tokens, and rows ending at eos at different lengths), learner step
@@ -22,7 +23,10 @@ samples eos in a few rows, which rlsys stops, so rlsys is counted by the tokens 
 Every timing is the median of interleaved repeats after one warm-up each; torch uses one
 thread in the driver and in every actor, except TRL, which runs with the threads torch gives it by
 default (all cores), and rlsys's end-to-end run without overlap, which gives generation (a worker
-per core) and training (a thread per core) every core in turn.
+per core) and training (a thread per core) every core in turn. With `--bf16` both sides of the
+end-to-end figure train in bf16 mixed precision (TRL's default, `bf16=True`; rlsys's
+`learner.bf16: true`, torch autocast on a CPU; generation stays fp32 in rlsys), and the learner
+figure adds the bf16 learner's step against the fp32 one's.
 """
 
 from __future__ import annotations
@@ -159,7 +163,7 @@ def paired(a, b, reps: int) -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self, reps: int, shape: Shape):
+    def __init__(self, reps: int, shape: Shape, bf16: bool = False):
         import torch
 
         from rlsys.config import load_config
@@ -168,7 +172,7 @@ class Bench:
 
         self.default_threads = torch.get_num_threads()  # what a library left alone runs with (TRL)
         torch.set_num_threads(1)
-        self.reps, self.shape = reps, shape
+        self.reps, self.shape, self.bf16 = reps, shape, bf16
         out = Path(tempfile.mkdtemp(prefix="rlsys-bench-perf-"))
         self.cfg = load_config(
             shape.config, [f"run.output_dir={out}", "run.name=perf", "sft.steps=0", "algorithm.kl_coef=0"]
@@ -475,6 +479,18 @@ class Bench:
             "<= 1.15x",
         )
         self.in_process_learner, self.learner_batch, self.plain_learner_step = learner, batch, plain
+        if self.bf16:
+            algorithm, port = self.controller.algorithm, free_port()
+            mixed = Learner(self.policy_dir, algorithm, lr=l.lr, grad_clip=l.grad_clip, bf16=True, master_port=port)
+            t_mixed, t_fp32 = paired(lambda: mixed.train_step(batch), lambda: learner.train_step(batch), self.reps)
+            self.add(
+                f"learner step under learner.bf16 (torch autocast on the CPU), ms, vs the fp32 learner "
+                f"(batch {len(batch)}, {batch.input_ids.shape[1]} tokens, 1 thread)",
+                f"{t_mixed * 1e3:.0f}",
+                f"{t_fp32 * 1e3:.0f}",
+                t_fp32 / t_mixed,
+                "speed-up",
+            )
         return learner
 
     def flops(self):
@@ -777,6 +793,7 @@ class Bench:
             f"rollout.max_new_tokens={new}",
             f"trainer.prompts_per_step={prompts}",
             f"trainer.steps={steps}",
+            *(["learner.bf16=true"] if self.bf16 else []),
         ]  # the lr schedule's length (TRL's: max_steps)
         c = Controller(
             load_config(
@@ -860,7 +877,7 @@ class Bench:
         args = GRPOConfig(
             output_dir=str(run_dir / "trl"),
             use_cpu=True,
-            bf16=False,
+            bf16=self.bf16,  # TRL's default is True; without --bf16 both sides train in fp32
             fp16=False,
             gradient_checkpointing=False,
             use_vllm=False,
@@ -919,7 +936,8 @@ class Bench:
         self.add(
             f"end-to-end GRPO samples/s vs TRL GRPOTrainer (G={group}, {prompts} prompts/step, <= {new} new, "
             f"mean response {statistics.mean(lengths):.0f} vs {statistics.mean(trl_length):.0f} tokens, "
-            f"{whole} cores each, {sft_steps} SFT steps, {steps} steps each, interleaved; mean train reward "
+            f"{whole} cores each, {'bf16 mixed' if self.bf16 else 'fp32'} on both sides, {sft_steps} SFT steps, "
+            f"{steps} steps each, interleaved; mean train reward "
             f"{statistics.mean(rewards):.2f} vs {statistics.mean(trl_reward):.2f}; held-out greedy accuracy after "
             f"the run {accuracy['rlsys']:.3f} vs {accuracy['trl']:.3f}, from {start_accuracy:.3f})",
             f"{ours_sps:.1f}",
@@ -964,13 +982,14 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--quick", action="store_true", help="3 repeats per figure instead of 7, shorter end-to-end runs")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="quickstart", help="the workload's config and sizes")
     ap.add_argument("--only", help=f"comma-separated subset of {','.join(FIGURES)} (default: the shape's figures)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision on both sides (TRL's default)")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     only = set(args.only.split(",")) if args.only else set(shape.figures)
     if only - set(FIGURES):
         ap.error(f"--only: unknown figures {sorted(only - set(FIGURES))} (choose from {', '.join(FIGURES)})")
     init_ray(num_cpus=12)  # logical: the e2e figure runs three controllers' actors side by side
-    bench = Bench(reps=3 if args.quick else 7, shape=shape)
+    bench = Bench(reps=3 if args.quick else 7, shape=shape, bf16=args.bf16)
     t0 = time.perf_counter()
     # end to end first: the other figures' in-process learner and workers leave this process slower
     # for TRL's in-process steps after them (docs/benchmarks.md)

@@ -397,7 +397,12 @@ class LearnerConfig(Section):
     epochs: int = Field(1, ge=1, description="passes over each trainer step's batch")
     minibatches: int = Field(1, ge=1, description="shards of each rank's batch per epoch, one optimizer step each")
     threads: int = Field(1, ge=1, description="torch CPU threads of each learner rank")
-    bf16: bool = Field(False, description="DeepSpeed bf16 (CUDA learners)")
+    bf16: bool = Field(
+        False,
+        description="bf16 mixed precision: on CUDA DeepSpeed's bf16 (bf16 weights, fp32 optimizer state); on a CPU "
+        "DeepSpeed's torch_autocast (linear layers and attention in bf16, weights and optimizer in fp32; "
+        "faster where the CPU has bf16 instructions, e.g. AVX512-BF16 or AMX)",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="activation checkpointing: each decoder layer of the policy keeps only its input in the "

@@ -225,6 +225,10 @@ def test_deepspeed_config_builder():
         cfg = deepspeed_config(stage, 0.5, bf16=True)
         assert cfg["bf16"] == {"enabled": True} and cfg["zero_optimization"]["stage"] == stage
         assert {k: v for k, v in cfg.items() if k != "bf16"} == deepspeed_config(stage, 0.5)
+        # a CPU learner: torch autocast in the engine's forward, fp32 weights and gradient reduces
+        autocast = deepspeed_config(stage, 0.5, bf16=True, device="cpu")
+        assert "bf16" not in autocast and autocast["torch_autocast"]["dtype"] == "bfloat16"
+        assert autocast["torch_autocast"]["lower_precision_safe_modules"] == []
     # learner.offload: the optimizer state (and under ZeRO-3 the parameters) to host memory
     offloaded = deepspeed_config(3, 1.0, offload="params")
     assert offloaded["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

@@ -323,14 +323,17 @@ def test_learner_leaving_out_rows_without_gradient_takes_the_full_batch_step(ray
         ray_cluster.kill(learner)
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_learner_measures_the_sampler_mismatch_and_corrects_it_with_the_policy_before_the_update(
-    ray_cluster, tmp_path, minibatches
+    ray_cluster, tmp_path, minibatches, bf16
 ):
     """Rows whose sampler logprobs are the learner's plus known noise: the learner reports the
     mismatch of the noise, and GRPO with TIS trains as plain torch does with the proximal
     logprobs of the weights before the step (from the loss's own forward in a one-update step,
-    from a forward without gradient first when the step is two updates)."""
+    from a forward without gradient first when the step is two updates). Under learner.bf16 on
+    a CPU every forward runs under torch's bf16 autocast, the one without gradient included: the
+    mismatch is to the autocast logprobs, which differ from fp32's."""
     import numpy as np
     import torch
 
@@ -348,6 +351,7 @@ def test_learner_measures_the_sampler_mismatch_and_corrects_it_with_the_policy_b
     spec = TinyModelSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64)
     model_dir = save_model_dir(build_tiny_model(spec, tok, seed=4), tok, tmp_path / "policy")
     policy = PolicyOnly(load_model(str(model_dir)))
+    precision = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
     rng = np.random.default_rng(1)
     rows = [
         dict(
@@ -363,26 +367,32 @@ def test_learner_measures_the_sampler_mismatch_and_corrects_it_with_the_policy_b
     ]
     with torch.no_grad():
         b = collate(make_experience(rows))
-        learner_logprobs = policy(b.input_ids, b.attention_mask)[1]
+        with precision():
+            learner_logprobs = policy(b.input_ids, b.attention_mask)[1]
+        fp32_logprobs = policy(b.input_ids, b.attention_mask)[1]
+    assert bf16 == (not torch.equal(learner_logprobs, fp32_logprobs))
     noise = torch.from_numpy(rng.normal(0.0, 0.5, learner_logprobs.shape)).float()
     for row, lp, m in zip(rows, learner_logprobs + noise, b.response_mask):
         row["logprobs"] = lp[m > 0].tolist()
     algo = GRPO(GRPO.Config(kl_coef=0.0, off_policy_correction="tis", is_cap=1.5))
     batch = algo.prepare(make_experience(rows))
     learner = ray_cluster.remote(Learner).remote(
-        str(model_dir), algo, lr=1e-2, minibatches=minibatches, master_port=free_port()
+        str(model_dir), algo, lr=1e-2, minibatches=minibatches, master_port=free_port(), bf16=bf16
     )
     metrics = ray_cluster.get(learner.train_step.remote(batch))
 
     expected = mismatch_metrics(learner_logprobs, batch.old_logprobs, batch.response_mask)  # every row's tokens
+    other = mismatch_metrics(fp32_logprobs if bf16 else learner_logprobs, batch.old_logprobs, batch.response_mask)
     for key in ("mismatch/logprob_abs", "mismatch/kl"):
         assert metrics[key] == pytest.approx(expected[key], rel=1e-4)
+        assert not bf16 or metrics[key] != pytest.approx(other[key], rel=1e-4)
     assert 0 < metrics["is/capped_frac"] < 1  # the noise puts some rho past the cap
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
     batch.proximal_logprobs = learner_logprobs.clone()  # the policy before the step, for every minibatch
     for mb in batch.split(minibatches):
         mb = mb.trim()
-        logits, logprobs, _ = policy(mb.input_ids, mb.attention_mask)
+        with precision():
+            logits, logprobs, _ = policy(mb.input_ids, mb.attention_mask)
         loss = algo.loss(ModelOutputs(logits, logprobs), mb)[0]
         opt.zero_grad()
         loss.backward()
