@@ -387,6 +387,7 @@ def test_learner_measures_the_sampler_mismatch_and_corrects_it_with_the_policy_b
         assert metrics[key] == pytest.approx(expected[key], rel=1e-4)
         assert not bf16 or metrics[key] != pytest.approx(other[key], rel=1e-4)
     assert 0 < metrics["is/capped_frac"] < 1  # the noise puts some rho past the cap
+    initial = {name: p.detach().numpy().copy() for name, p in policy.policy.state_dict().items()}
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.0)
     batch.proximal_logprobs = learner_logprobs.clone()  # the policy before the step, for every minibatch
     for mb in batch.split(minibatches):
@@ -399,8 +400,17 @@ def test_learner_measures_the_sampler_mismatch_and_corrects_it_with_the_policy_b
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
     theirs = ray_cluster.get(learner.weights.remote())
-    for name, p in policy.policy.state_dict().items():
-        np.testing.assert_allclose(theirs[name], p.detach().numpy(), atol=1e-4, err_msg=name)
+    trained = policy.policy.state_dict()
+    if bf16:  # the two sides' roundings may differ where a gradient is near zero, and Adam's first
+        # steps move such an entry by ~lr whatever its sign: the whole updates agree, not every entry
+        ours = np.concatenate([(theirs[k] - initial[k]).ravel() for k in trained])
+        plain = np.concatenate([(p.detach().numpy() - initial[k]).ravel() for k, p in trained.items()])
+        cosine = float((ours * plain).sum() / (np.linalg.norm(ours) * np.linalg.norm(plain)))
+        off = float(np.mean(np.abs(ours - plain) > 1e-4))  # 1.4% of the embedding in one CI run
+        assert cosine > 0.95 and off < 0.05, (cosine, off)
+    else:
+        for name, p in trained.items():
+            np.testing.assert_allclose(theirs[name], p.detach().numpy(), atol=1e-4, err_msg=name)
     ray_cluster.kill(learner)
 
 
