@@ -75,16 +75,17 @@ def supports_lean_decode(model) -> bool:
 
 
 def norm_eps(norm, like: torch.Tensor) -> torch.Tensor:
-    """An HF RMSNorm module's epsilon as a 0-d tensor (`rms_scale`'s `addcmul` takes a tensor)."""
+    """An HF RMSNorm module's epsilon as a 0-d float32 tensor (`rms_scale`'s `addcmul` takes a tensor)."""
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
-    return torch.tensor(eps, dtype=like.dtype, device=like.device)
+    return torch.tensor(eps, dtype=torch.float32, device=like.device)
 
 
 def rms_scale(h: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """1 / sqrt(mean(h^2) + eps) per row of h ([N, hidden] -> [N, 1]): RMSNorm without its weight,
-    in three ops (F.rms_norm runs about nine on CPU)."""
-    norm = torch.linalg.vector_norm(h, dim=-1, keepdim=True)
-    return torch.addcmul(eps, norm, norm, value=1.0 / h.shape[-1]).rsqrt_()
+    """1 / sqrt(mean(h^2) + eps) per row of h ([N, hidden] -> [N, 1]) in h's dtype, the mean
+    computed in float32 (as HF's RMSNorm upcasts a bf16 row): RMSNorm without its weight, in three
+    ops (F.rms_norm runs about nine on CPU)."""
+    norm = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.addcmul(eps, norm, norm, value=1.0 / h.shape[-1]).rsqrt_().to(h.dtype)
 
 
 def residual_linear(
@@ -141,12 +142,15 @@ class Decoded(NamedTuple):
 
 
 class LeanDecoder:
-    """Runs the decoder stack of an HF Llama-family model over a preallocated KV cache."""
+    """Runs the decoder stack of an HF Llama-family model over a preallocated KV cache, in
+    `dtype` (rollout.dtype): the fused weights, activations and KV cache; norms reduce in float32
+    and the logits are returned as float32. The model's own weights keep their dtype."""
 
-    def __init__(self, model):
+    def __init__(self, model, dtype: torch.dtype | None = None):
         if not supports_lean_decode(model):
             raise ValueError(f"lean decode supports {SUPPORTED_MODEL_TYPES} decoders, not {model.config.model_type}")
         self.model = model
+        self.dtype = dtype or model.lm_head.weight.dtype
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -184,10 +188,14 @@ class LeanDecoder:
             """[(weight, bias)] pieces stacked by rows, each times its scale, times the norm's weight."""
             weight = torch.cat([w * s for (w, _), s in zip(pieces, scales)]) * norm_weight(norm, self.norm_offset)
             if all(b is None for _, b in pieces):
-                return weight, None
-            return weight, torch.cat(
-                [(b if b is not None else w.new_zeros(w.shape[0])) * s for (w, b), s in zip(pieces, scales)]
+                return cast(weight), None
+            return cast(weight), cast(
+                torch.cat([(b if b is not None else w.new_zeros(w.shape[0])) * s for (w, b), s in zip(pieces, scales)])
             )
+
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            """In the decoder's dtype (no copy when it is already)."""
+            return None if t is None else t.to(self.dtype)
 
         def rows(linear, sizes):
             """A fused projection (Phi-3's qkv_proj, gate_up_proj) as (weight, bias) row blocks."""
@@ -195,9 +203,11 @@ class LeanDecoder:
             return list(zip(linear.weight.split(sizes), biases))
 
         self.final_eps = norm_eps(self.model.model.norm, self.model.model.norm.weight)
-        self.final_weight = norm_weight(self.model.model.norm, self.norm_offset)
+        self.final_weight = cast(norm_weight(self.model.model.norm, self.norm_offset))
+        head = self.model.lm_head
+        self.head = (cast(head.weight), cast(head.bias))
         scale = getattr(self.model.model.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden)
-        self.embed_scale = None if scale is None else scale.to(self.model.model.embed_tokens.weight.dtype)
+        self.embed_scale = None if scale is None else cast(scale)
         fused = []
         q_scale = 1.0 if self.head_norms else self.scale
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -217,16 +227,16 @@ class LeanDecoder:
                 {
                     "qkv": cat(qkv, (q_scale, 1.0, 1.0), norm1),
                     "gate_up": cat(gate_up, (1.0, 1.0), norm2),
-                    "o": (a.o_proj.weight.t(), a.o_proj.bias),
-                    "down": (mlp.down_proj.weight.t(), mlp.down_proj.bias),
+                    "o": (cast(a.o_proj.weight).t(), cast(a.o_proj.bias)),
+                    "down": (cast(mlp.down_proj.weight).t(), cast(mlp.down_proj.bias)),
                     "eps1": norm_eps(norm1, norm1.weight),
                     "eps2": norm_eps(norm2, norm2.weight),
                 }
             )
             if self.head_norms:  # [q heads + kv heads, head_dim]: each head's norm weight, q's times the scale
                 q_norm, k_norm = norm_weight(a.q_norm, self.norm_offset), norm_weight(a.k_norm, self.norm_offset)
-                fused[-1]["head_norm"] = torch.cat(
-                    [(q_norm * self.scale).expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)]
+                fused[-1]["head_norm"] = cast(
+                    torch.cat([(q_norm * self.scale).expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)])
                 )
                 fused[-1]["eps_head"] = norm_eps(a.q_norm, a.q_norm.weight)
         return fused
@@ -255,7 +265,7 @@ class LeanDecoder:
         Rows of B x T tokens are kept as one 2-D matrix throughout."""
         core = self.model.model
         b, t = ids.shape
-        h = F.embedding(ids.reshape(-1), core.embed_tokens.weight)  # [B*T, hidden], this call's own tensor
+        h = F.embedding(ids.reshape(-1), core.embed_tokens.weight).to(self.dtype)  # [B*T, hidden], its own tensor
         if self.embed_scale is not None:  # Gemma
             h = h * self.embed_scale
         end = start + t
@@ -293,7 +303,7 @@ class LeanDecoder:
         """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that
         fills several rows (n samples of one prompt, GRPO's group) is prefilled once and its
         cache copied to each of its rows."""
-        weight = self.model.lm_head.weight
+        weight = self.model.lm_head.weight.new_empty(0, dtype=self.dtype)  # the cache's dtype and device
         rows = len(input_ids)  # the cache buffers' rows: the batch only shrinks after the prompts are copied out
         distinct, row_of = torch.unique(torch.cat([input_ids, attention_mask.long()], 1), dim=0, return_inverse=True)
         repeated = len(distinct) < len(input_ids)
@@ -447,8 +457,7 @@ class DecodeStream:
     hidden: torch.Tensor | None = None
 
     def logits(self) -> torch.Tensor:
-        head = self.decoder.model.lm_head
-        return F.linear(self.hidden, head.weight, head.bias).float()
+        return F.linear(self.hidden, *self.decoder.head).float()
 
     def keep(self, rows: torch.Tensor, filled: int) -> None:
         """The batch becomes these rows of the current one (rows may repeat, up to the buffers'

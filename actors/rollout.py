@@ -126,7 +126,9 @@ class HFBackend:
         specache: dict | None = None,
         device: str = "cpu",
         decode: str = "lean",
+        dtype: str = "float32",
     ):
+        """`dtype` (rollout.dtype): the lean decoder's compute dtype."""
         quiet_transformers()
         self.requantize = None  # (group size, bit maps) when serving a SliM-LLM quantised policy
         self.adapters = None  # MergedAdapters once a LoRA sync arrives (learner.lora)
@@ -154,7 +156,15 @@ class HFBackend:
         # decode "lean": actors/lean_decode.py for Llama-family models (else, and for "generate", `model.generate`)
         if decode not in ("lean", "generate"):
             raise ValueError(f"rollout.decode must be 'lean' or 'generate', not {decode!r}")
-        self.lean = LeanDecoder(self.model) if decode == "lean" and supports_lean_decode(self.model) else None
+        self.dtype = getattr(torch, dtype)
+        self.lean = (
+            LeanDecoder(self.model, self.dtype) if decode == "lean" and supports_lean_decode(self.model) else None
+        )
+        if self.lean is None and self.dtype != torch.float32:
+            raise ValueError(
+                f"rollout.dtype={dtype} is the lean decoder's, which does not run {model_dir} "
+                f"(model_type {cfg.model_type}, rollout.decode {decode}): use rollout.dtype=float32"
+            )
         self._lean_reference = None
 
     def load_weights(self, weights: dict[str, np.ndarray], partial: bool = False) -> None:
@@ -191,7 +201,7 @@ class HFBackend:
         if self.lean is None:
             return None
         if self._lean_reference is None and supports_lean_decode(self.reference):
-            self._lean_reference = LeanDecoder(self.reference)
+            self._lean_reference = LeanDecoder(self.reference, self.dtype)
         return self._lean_reference
 
     @torch.no_grad()
@@ -325,6 +335,7 @@ def make_backend(
     quantized: str | None = None,
     specache: dict | None = None,
     decode: str = "lean",
+    dtype: str = "float32",
     **options,
 ) -> RolloutBackend:
     if name == "hf":
@@ -335,6 +346,7 @@ def make_backend(
             quantized=quantized,
             specache=specache,
             decode=decode,
+            dtype=dtype,
         )
     if specache:
         raise ValueError(f"rollout.kv_cache=specache is served by the hf backend only, not {name}")
@@ -396,9 +408,11 @@ class RolloutWorker:
         backend_options: dict | None = None,
         decode: str = "lean",
         inflight_update: str = "finish",
+        dtype: str = "float32",
     ):
         """`backend_options`: the vllm backend's engine settings (tensor_parallel_size, ...);
-        `decode`: the hf backend's decode loop (rollout.decode); `inflight_update` continue: weights
+        `decode`, `dtype`: the hf backend's decode loop and its compute dtype (rollout.decode,
+        rollout.dtype); `inflight_update` continue: weights
         offered during a generation (`offer_weights`, from the actor's "weights" concurrency group)
         load between two of its decode steps."""
         torch.set_num_threads(threads)
@@ -412,6 +426,7 @@ class RolloutWorker:
             quantized=quantized,
             specache=specache,
             decode=decode,
+            dtype=dtype,
             **(backend_options or {}),
         )
         self.weight_broadcast = None  # this worker's BroadcastGroup member (trainer.weight_sync=broadcast)

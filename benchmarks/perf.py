@@ -24,9 +24,10 @@ Every timing is the median of interleaved repeats after one warm-up each; torch 
 thread in the driver and in every actor, except TRL, which runs with the threads torch gives it by
 default (all cores), and rlsys's end-to-end run without overlap, which gives generation (a worker
 per core) and training (a thread per core) every core in turn. With `--bf16` both sides of the
-end-to-end figure train in bf16 mixed precision (TRL's default, `bf16=True`; rlsys's
-`learner.bf16: true`, torch autocast on a CPU; generation stays fp32 in rlsys), and the learner
-figure adds the bf16 learner's step against the fp32 one's.
+end-to-end figure train and generate in bf16 (TRL's default, `bf16=True`, autocast around the model's
+forward; rlsys's `learner.bf16: true`, torch autocast on a CPU, and `rollout.dtype: bfloat16`, the lean
+decoder in bf16), the learner figure adds the bf16 learner's step against the fp32 one's, and the
+rollout figure the bf16 lean decoder against `generate` under bf16 autocast and against the fp32 decoder.
 """
 
 from __future__ import annotations
@@ -253,10 +254,39 @@ class Bench:
         assert worker.stats()["lean_decode"]
         self.rollout_figure(worker, batch, new, f"{new} new, a {architecture} of the same sizes", min_new_tokens=new)
 
-    def rollout_figure(self, worker, batch: int, new: int, label: str, **plain_kwargs) -> tuple[float, float]:
+    def rollout_bf16(self, batch: int = 32, new: int = 64):
+        """`rollout.dtype: bfloat16` (the lean decoder in bf16) vs plain `generate` under bf16 autocast
+        (as TRL's bf16 generates: accelerate wraps the model's forward in autocast), every row for
+        `new` tokens; then the same batch, the bf16 lean decoder vs the fp32 one."""
+        from actors.rollout import RolloutWorker
+
+        mixed = RolloutWorker(self.policy_dir, "hf", batch_size=64, threads=1, dtype="bfloat16")
+        self.rollout_figure(
+            mixed,
+            batch,
+            new,
+            f"{new} new, rollout.dtype bfloat16 vs generate under bf16 autocast",
+            plain_bf16=True,
+            min_new_tokens=new,
+        )
+        reqs = self.requests(batch, new)
+        t_mixed, t_fp32 = paired(lambda: mixed.generate(reqs), lambda: self.worker.generate(reqs), self.reps)
+        self.add(
+            f"rollout, rollout.dtype bfloat16 vs float32, the lean decoder both (batch {batch}, <= {new} new; "
+            f"tokens/s ratio)",
+            f"{t_mixed * 1e3:.0f} ms",
+            f"{t_fp32 * 1e3:.0f} ms",
+            t_fp32 / t_mixed,
+            "speed-up",
+        )
+
+    def rollout_figure(
+        self, worker, batch: int, new: int, label: str, plain_bf16: bool = False, **plain_kwargs
+    ) -> tuple[float, float]:
         """Tokens/s of `worker.generate` vs plain `generate` with the worker's model, sampling the same
         distribution (no top-k: `generate` defaults to 50), each side counted by its own response
-        tokens up to and including eos. Returns the mean tokens per run (rlsys, plain)."""
+        tokens up to and including eos; `plain_bf16`: `generate` under bf16 autocast. Returns the mean
+        tokens per run (rlsys, plain)."""
         import torch
 
         from actors.modeling import pad_sequences
@@ -270,6 +300,7 @@ class Bench:
             counts["ours"].append(sum(len(g.response_ids) for g in worker.generate(reqs)))
 
         @torch.no_grad()
+        @torch.autocast("cpu", dtype=torch.bfloat16, enabled=plain_bf16)
         def plain():
             out = model.generate(
                 input_ids=ids,
@@ -793,7 +824,7 @@ class Bench:
             f"rollout.max_new_tokens={new}",
             f"trainer.prompts_per_step={prompts}",
             f"trainer.steps={steps}",
-            *(["learner.bf16=true"] if self.bf16 else []),
+            *(["learner.bf16=true", "rollout.dtype=bfloat16"] if self.bf16 else []),
         ]  # the lr schedule's length (TRL's: max_steps)
         c = Controller(
             load_config(
@@ -1006,6 +1037,8 @@ def main(argv: list[str]) -> None:
             note = "\n" + bench.end_to_end(steps=4 if args.quick else 30, sft_steps=sft)
     if only & {"rollout", "reference", "reward", "learner", "flops", "growth"}:
         worker = bench.rollout(new=shape.new)
+    if "rollout" in only and args.bf16:
+        bench.rollout_bf16(new=shape.new)
     if "rollout" in only:
         bench.rollout_variable_length(new=shape.new, stop_rate=2 / shape.new)
         if args.shape == "quickstart":

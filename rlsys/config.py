@@ -261,6 +261,14 @@ class RolloutConfig(Section):
     specache_k: int = Field(64, ge=1, description="full-precision KV pairs fetched per decode step")
     specache_bits: int = Field(2, ge=1, le=4, description="bits of the low-bit KV copy in the fast tier")
     specache_window: int = Field(32, ge=0, description="most recent positions kept in full precision")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="hf backend: the lean decode loop's compute dtype (its fused weights, activations and KV cache; "
+        "norms reduce and logits come out in float32; the model's own weights stay float32). bfloat16 decodes as "
+        "vLLM and TRL's bf16 do, faster on CPUs with bf16 matmuls at hidden sizes of ~200 and up "
+        "(docs/benchmarks.md); the sampler's logprobs then differ from the learner's by bf16 rounding "
+        "(the mismatch/* metrics; algorithm.off_policy_correction tis or mis corrects for it)",
+    )
     quantized: Optional[str] = Field(None, description="SliM-LLM quantised dir (rlsys quantize) to serve, hf backend")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per vLLM engine (vllm backend)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory fraction a vLLM engine takes")
@@ -283,6 +291,17 @@ class RolloutConfig(Section):
     def _hf_decode(cls, v, info):
         if v != "lean" and info.data.get("backend") != "hf":
             raise ValueError("is a setting of rollout.backend 'hf' only")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _lean_dtype(cls, v, info):
+        d = info.data
+        if v != "float32" and (d.get("backend") != "hf" or d.get("decode") != "lean" or d.get("kv_cache") != "full"):
+            raise ValueError(
+                f"{v} is the lean decoder's (rollout.backend hf, rollout.decode lean, rollout.kv_cache full), not "
+                f"backend {d.get('backend')}, decode {d.get('decode')}, kv_cache {d.get('kv_cache')}"
+            )
         return v
 
     @field_validator("tensor_parallel_size", "gpu_memory_utilization")

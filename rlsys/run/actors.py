@@ -84,6 +84,7 @@ def start_actors(cfg: JobConfig, algorithm: Algorithm, policy_dir: Path, task) -
             backend_options=vllm_options(cfg, i),
             decode=r.decode,
             inflight_update=r.inflight_update,
+            dtype=r.dtype,
         )
 
     def learner(rank, world_size, port, master_addr="127.0.0.1", **placement):

@@ -226,6 +226,53 @@ def test_fused_weights_follow_arrays_rewritten_in_place_and_in_place_edits(one_t
     assert np.allclose(lps(backend.generate(reqs)), before, atol=1e-5)
 
 
+def teacher_forced_logprobs(model, gens, bf16: bool) -> np.ndarray:
+    """The model's own forward's logprobs of each generation's tokens, in fp32 or under bf16 autocast."""
+    out = []
+    for g in gens:
+        ids = torch.tensor([g.prompt_ids + g.response_ids])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids).logits[0, len(g.prompt_ids) - 1 : -1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(g.response_ids)[:, None]).squeeze(-1))
+    return torch.cat(out).numpy()
+
+
+@pytest.mark.parametrize("make", [qwen2, llama, qwen3, mistral, phi3, gemma])
+def test_bfloat16_decoding_computes_in_bfloat16_and_tracks_the_models_forward(make):
+    """rollout.dtype bfloat16: the fused weights and the KV cache are bf16, the model's weights
+    stay fp32, and the sampler's logprobs are the model's to bf16 rounding: as far from its fp32
+    forward as its own forward under bf16 autocast is, and not equal to the fp32 ones."""
+    model = make()
+    backend = HFBackend("unused", model=model, dtype="bfloat16")
+    params = SamplingParams(n=4, max_new_tokens=10, temperature=1.0, seed=2)
+    gens = backend.generate([GenerationRequest(p, params) for p in PROMPTS])
+    with torch.inference_mode():
+        stream = backend.lean.start(torch.tensor([PROMPTS[0]]), torch.ones(1, len(PROMPTS[0]), dtype=torch.long), 8)
+        logits = stream.logits()
+    assert stream.cache[0][0].dtype == torch.bfloat16 and stream.fused[0]["qkv"][0].dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float32 and logits.dtype == torch.float32
+    sampled = np.concatenate([g.logprobs for g in gens])
+    fp32, autocast = teacher_forced_logprobs(model, gens, False), teacher_forced_logprobs(model, gens, True)
+    off, autocast_off = np.abs(sampled - fp32), np.abs(autocast - fp32)
+    assert off.mean() > 1e-4  # bf16 rounding, not an fp32 decode
+    assert off.mean() < 3 * autocast_off.mean() + 1e-3 and off.max() < 0.25
+    fp32_backend = HFBackend("unused", model=model)  # the default decodes in fp32, to float rounding
+    assert fp32_backend.lean.dtype == torch.float32
+    assert np.allclose(
+        np.concatenate([g.logprobs for g in fp32_backend.generate([GenerationRequest(p, params) for p in PROMPTS])]),
+        teacher_forced_logprobs(model, fp32_backend.generate([GenerationRequest(p, params) for p in PROMPTS]), False),
+        atol=1e-5,
+    )
+
+
+def test_bfloat16_needs_the_lean_decoder(one_torch_thread):
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=1, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"rollout.dtype=bfloat16 is the lean decoder's, which does not run"):
+        HFBackend("unused", model=GPT2LMHeadModel(cfg).eval(), dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"rollout.dtype=bfloat16 is the lean decoder's"):
+        HFBackend("unused", model=qwen2(), decode="generate", dtype="bfloat16")
+
+
 def test_other_architectures_fall_back_to_generate(one_torch_thread):
     assert not supports_lean_decode(mistral(sliding_window=16))  # a window shorter than the context: not ours
     assert not supports_lean_decode(phi3(partial_rotary_factor=0.5))  # rotary over half of each head

@@ -156,6 +156,20 @@ def test_the_async_keys_are_refused_outside_async(extra, message):
         build_algorithm(load_config(QUICKSTART, extra))
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [["rollout.decode=generate"], ["rollout.kv_cache=specache"], ["rollout.backend=vllm", "rollout.dtype=bfloat16"]],
+)
+def test_a_bfloat16_rollout_is_the_lean_decoders(extra):
+    overrides = extra if "rollout.dtype=bfloat16" in extra else [*extra, "rollout.dtype=bfloat16"]
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.dtype = 'bfloat16': Value error, bfloat16 is the lean decoder's \(rollout.backend hf",
+    ):
+        load_config(QUICKSTART, overrides)
+    assert load_config(QUICKSTART, ["rollout.dtype=bfloat16"]).rollout.dtype == "bfloat16"
+
+
 def test_a_renamed_key_names_its_successor():
     with pytest.raises(
         ConfigError, match=r"^config error: unknown key 'trainer.overlap_rollout' \(it became trainer.mode: overlap\)$"
