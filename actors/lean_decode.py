@@ -184,6 +184,10 @@ class LeanDecoder:
         transposed for `addmm`, which adds the residual in the same call. No module is called
         per step."""
 
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            """In the decoder's dtype (no copy when it is already)."""
+            return None if t is None else t.to(self.dtype)
+
         def cat(pieces, scales, norm):
             """[(weight, bias)] pieces stacked by rows, each times its scale, times the norm's weight."""
             weight = torch.cat([w * s for (w, _), s in zip(pieces, scales)]) * norm_weight(norm, self.norm_offset)
@@ -192,10 +196,6 @@ class LeanDecoder:
             return cast(weight), cast(
                 torch.cat([(b if b is not None else w.new_zeros(w.shape[0])) * s for (w, b), s in zip(pieces, scales)])
             )
-
-        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-            """In the decoder's dtype (no copy when it is already)."""
-            return None if t is None else t.to(self.dtype)
 
         def rows(linear, sizes):
             """A fused projection (Phi-3's qkv_proj, gate_up_proj) as (weight, bias) row blocks."""
@@ -303,25 +303,25 @@ class LeanDecoder:
         """Prefill a left-padded prompt batch into a fresh cache of `total` slots. A prompt that
         fills several rows (n samples of one prompt, GRPO's group) is prefilled once and its
         cache copied to each of its rows."""
-        weight = self.model.lm_head.weight.new_empty(0, dtype=self.dtype)  # the cache's dtype and device
+        like = self.model.lm_head.weight.new_empty(0, dtype=self.dtype)  # the cache's dtype and device
         rows = len(input_ids)  # the cache buffers' rows: the batch only shrinks after the prompts are copied out
         distinct, row_of = torch.unique(torch.cat([input_ids, attention_mask.long()], 1), dim=0, return_inverse=True)
         repeated = len(distinct) < len(input_ids)
         if repeated:
             input_ids, attention_mask = distinct[:, : input_ids.shape[1]], distinct[:, input_ids.shape[1] :]
         shape = (rows, self.num_kv_heads, total, self.head_dim)
-        buffers = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.model.layers]
+        buffers = [(like.new_zeros(shape), like.new_zeros(shape)) for _ in self.model.model.layers]
         cache = [(k[: len(input_ids)], v[: len(input_ids)]) for k, v in buffers]
         # the decode steps' additive mask: -inf at the prompts' pad slots, per kv head (a view per step, no copy)
-        pads = torch.zeros(len(input_ids), total, dtype=torch.bool, device=weight.device)
+        pads = torch.zeros(len(input_ids), total, dtype=torch.bool, device=like.device)
         pads[:, : attention_mask.shape[1]] = ~attention_mask.bool()
-        key_bias = weight.new_zeros(len(input_ids), total).masked_fill_(pads, float("-inf"))
+        key_bias = like.new_zeros(len(input_ids), total).masked_fill_(pads, float("-inf"))
         stream = DecodeStream(
             self,
             buffers,
             cache,
             self.current_fused(),
-            self.rotary_tables(total, weight),
+            self.rotary_tables(total, like),
             key_bias[:, None].expand(-1, self.num_kv_heads, -1).contiguous(),
         )
         stream.hidden = self.forward(
