@@ -274,10 +274,12 @@ class Learner:
     def module(self):
         return self.engine.module
 
-    def train_step(self, batch, shared_slot: int | None = None) -> dict[str, float]:
+    def train_step(self, batch, shared_slot: int | None = None, loads: list = ()) -> dict[str, float]:
         """`epochs` passes over `minibatches` shards of this rank's batch, one optimizer
         step per shard. Returns metrics averaged over the optimizer steps. With `shared_slot`
-        (trainer.weight_sync=shared_memory) the new weights are then written into that slot."""
+        (trainer.weight_sync=shared_memory) the new weights are then written into that slot, once
+        the workers' `loads` (object refs: their loads of the version before, which moved them off
+        the slot's old version) have finished, done or failed."""
         start = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
         n, mismatch = 0, {}
@@ -314,6 +316,10 @@ class Learner:
                 n += 1
         self.steps += 1
         if shared_slot is not None:
+            if loads:
+                import ray
+
+                ray.wait(list(loads), num_returns=len(loads))
             self.write_shared(shared_slot)
         out = {k: v / max(n, 1) for k, v in sums.items()} | mismatch
         out["time/train_rank"] = time.perf_counter() - start

@@ -13,9 +13,9 @@ Each slot has its checksums after the slots (an xxh3-64 per tensor, written afte
 a worker verifies the slot against them before it loads it (`verify`).
 
 Two slots let the workers serve version v from one while the learner writes v + 1 into
-the other (`trainer.mode: overlap`); the controller waits for every worker's load of
-v before the learner may write v + 2 over v's slot (`SharedMemorySync.train_slot` in
-rlsys/run/weight_sync.py settles the sync first). A file outlives a killed learner: the next
+the other (`trainer.mode: overlap`); the learner writes v + 2 over v's slot once every worker's
+load of v + 1 has finished (`SharedMemorySync.train_slot` in rlsys/run/weight_sync.py hands it
+those loads). A file outlives a killed learner: the next
 learner on the node removes files whose owner process is gone (`remove_stale`), and the
 controller removes its own at shutdown.
 """

@@ -479,9 +479,15 @@ class AttachedEvaluators:
         self.pending = keep
         return rows
 
+    def due(self, step: int) -> bool:
+        """Whether an attached evaluator evaluates at `step` (as known before this step's `poll`)."""
+        return any(step % spec["every"] == 0 for spec, _ in self.active.values())
+
     def poll(self, step: int, version: int, weights, timeout: float = 5.0) -> list[tuple]:
         """Pick up attach/detach, collect finished results, hand off this step's evaluations.
-        `weights()`: the policy's weights (an object ref), asked for only when an evaluation is due."""
+        `weights()`: the policy's weights (an object ref), asked for only when an evaluation is due;
+        None: this step's weights are not to be had (the learner trains the next step, queued while no
+        evaluator was due), so an evaluator attached in this poll is handed its first evaluation later."""
         import ray
 
         try:
@@ -491,7 +497,7 @@ class AttachedEvaluators:
         rows = self._collect(timeout=0)
         weights_ref = None
         for name, (spec, actor) in self.active.items():
-            if step % spec["every"]:
+            if step % spec["every"] or weights is None:
                 continue
             if sum(p[0] == name for p in self.pending) >= MAX_PENDING:
                 print(f"rlsys: evaluator {name} is behind; skipping step {step}", file=sys.stderr)

@@ -217,9 +217,9 @@ class Learners:
             if len(batch) < ranks:
                 raise RunFailed(f"step {step}: {len(batch)} row(s) to train for {ranks} learner ranks")
         for name, batch in batches.items():
-            p, slot = self.policies[name], weights.train_slot(name, version)
+            p, (slot, loads) = self.policies[name], weights.train_slot(name, version) or (None, [])
             shards = rank_shards(batch, len(p.learners), self.algorithm)
-            training[name] = [l.train_step.remote(s, slot) for l, s in zip(p.learners, shards)]
+            training[name] = [l.train_step.remote(s, slot, loads) for l, s in zip(p.learners, shards)]
         return training
 
     def wait(self, training: dict[str, list]) -> dict[str, float]:

@@ -66,6 +66,7 @@ class Controller:
         self.attached = None  # the run's AttachedEvaluators, opened by run()
         self.weights = None  # the weight-sync strategy, made by start_actors
         self.stop = StopSignals()  # the signals that stop the run, installed by run()
+        self.queued = None  # trainer.mode overlap: the next step, sent to the learner behind this one (loop.QueuedStep)
         self.envs = None  # the EnvFactory of env.name (multi-turn episodes), made by prepare_policy
 
     # the run's policy (the first of `self.policies`): its rollout workers and learner ranks

@@ -10,6 +10,7 @@ RolloutContext, its timings and the policy version).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -32,7 +33,8 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
         last_step = run.step == cfg.trainer.steps
         # evaluate: attached evaluators at every step boundary, the held-out split as due
         handoff = time.perf_counter()
-        current_weights = lambda: run.weights.weights_ref(run.ctx.main_policy)  # asked only when one is due
+        # this step's weights, asked only when one is due; none while the next step trains (the learner is past them)
+        current_weights = None if run.queued is not None else lambda: run.weights.weights_ref(run.ctx.main_policy)
         for row in run.attached.poll(run.step, run.ctx.policy_version, current_weights):
             tracker.log_eval(*row)
         metrics["time/eval_handoff"] = time.perf_counter() - handoff
@@ -55,10 +57,22 @@ def train(run, tracker: Tracker, bar, last_eval: dict) -> dict:
         tracker.log_samples(run.step, rollout_samples(shown, run.tokenizer, extra))
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval_acc=f"{last_eval['accuracy']:.2f}", refresh=False)
         bar.update()
-        # stop: a SIGTERM or Ctrl-C during the step ends the run here (checkpointed as configured)
-        if run.stop.signum is not None:
+        # stop: a SIGTERM or Ctrl-C during the step ends the run here (checkpointed as configured),
+        # or once the next step, queued behind it, has trained
+        if run.stop.signum is not None and run.queued is None:
             raise stop_at_boundary(run, run.stop.signum, metrics)
     return last_eval
+
+
+@dataclass
+class QueuedStep:
+    """The next step, already sent to the learner behind this one's training (trainer.mode overlap):
+    its rows, their batches and prepare-phase metrics, and its train calls."""
+
+    table: pa.Table
+    batches: dict
+    metrics: dict[str, float]
+    training: dict[str, list]
 
 
 def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
@@ -67,20 +81,15 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     ctx, version = run.ctx, run.ctx.policy_version + 1
     ctx.reset_timings()
     start, tokens_before = time.perf_counter(), ctx.tokens_generated
+    queued, run.queued = run.queued, None
     # sample: this step's rows (under overlap and async, sampled while earlier steps trained)
     run.learner_group.step = run.step + 1  # the step a learner rank's death is reported in
-    table = run.rollouts.take()
+    table = queued.table if queued is not None else run.rollouts.take()
     lag = ctx.policy_version - np.asarray(table.column("policy_version").to_pylist())  # versions behind the learner
     versions = response_token_versions(table)  # each response token's policy version
     staleness = ctx.policy_version - np.asarray(list(chain.from_iterable(versions)), dtype=int)
     # prepare: a batch per trained policy; None from the algorithm: no update for it this step
-    with ctx.timed("prepare"):
-        batches = {name: run.algorithm.prepare(rows) for name, rows in run.rows_per_policy(table).items()}
-        batches = {name: b for name, b in batches.items() if b is not None}
-        metrics = run.algorithm.prepare_metrics(table) if isinstance(run.algorithm, ReportsPrepareMetrics) else {}
-        metrics |= run.reward_metrics()
-        if ctx.episodes is not None:  # multi-turn rows: their episode/* and tools/* rates
-            metrics |= episode_metrics(table)
+    batches, metrics = (queued.batches, queued.metrics) if queued is not None else prepare(run, table)
     if not batches and isinstance(run.rollouts, AsyncRollouts):
         raise RunFailed(
             f"algorithm '{run.cfg.algorithm.name}' skipped the update of step {run.step + 1} (prepare gave no "
@@ -88,27 +97,74 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
         )
     if batches:
         # train: every rank, not awaited (a ReST round first goes back to the initial policy)
-        if isinstance(run.algorithm, RestartsPolicy) and run.algorithm.restarts_policy(table):
-            with ctx.timed("restart"):
-                run.learner_group.restart(run.policy_dir)
-        training = run.learner_group.train(batches, version, run.weights, run.step + 1)
+        if queued is not None:
+            training = queued.training
+        else:
+            if isinstance(run.algorithm, RestartsPolicy) and run.algorithm.restarts_policy(table):
+                with ctx.timed("restart"):
+                    run.learner_group.restart(run.policy_dir)
+            training = run.learner_group.train(batches, version, run.weights, run.step + 1)
         # sync: sent with the step where the strategy allows (the workers' loads wait on the
-        # learner, not on us); under overlap and async, once trained (rows are sampled meanwhile)
-        sent_early = not run.rollouts.prefetch(run.step) and run.weights.sends_with_step
+        # learner, not on us); under overlap and async, once trained (rows are sampled meanwhile),
+        # or under overlap before the next step's training, queued behind this one's
+        prefetched = run.rollouts.prefetch(run.step)
+        sent_early = (not prefetched or may_queue_next(run)) and run.weights.sends_with_step
         if sent_early:
             run.sync_weights(version, training)
+        if sent_early and prefetched:
+            run.queued = queue_next(run, version + 1)
         with ctx.timed("train"):
             metrics |= run.learner_group.wait(training)
         if not sent_early:
             run.sync_weights(version, training)
     run.step += 1
     metrics |= step_metrics(run, table, lag, time.perf_counter() - start, ctx.tokens_generated - tokens_before)
+    metrics["perf/next_step_queued"] = float(run.queued is not None)
     if "episode/correct" in metrics:  # an episode is right by its final answer, whatever its turns' rewards
         metrics["accuracy/train"] = metrics["episode/correct"]
     per_token = "token_versions" in table.column_names  # rollout.inflight_update resume | continue
     metrics |= staleness_metrics(staleness) | (mixed_version_rows(versions) if per_token else {})
     metrics |= run.rollouts.metrics()
     return metrics, table, staleness
+
+
+def prepare(run, table: pa.Table) -> tuple[dict, dict[str, float]]:
+    """The step's batch per trained policy (those the algorithm gives None left out) and the
+    prepare-phase metrics: the algorithm's, the reward source's, multi-turn episodes'."""
+    with run.ctx.timed("prepare"):
+        batches = {name: run.algorithm.prepare(rows) for name, rows in run.rows_per_policy(table).items()}
+        batches = {name: b for name, b in batches.items() if b is not None}
+        metrics = run.algorithm.prepare_metrics(table) if isinstance(run.algorithm, ReportsPrepareMetrics) else {}
+        metrics |= run.reward_metrics()
+        if run.ctx.episodes is not None:  # multi-turn rows: their episode/* and tools/* rates
+            metrics |= episode_metrics(table)
+    return batches, metrics
+
+
+def may_queue_next(run) -> bool:
+    """Whether the next step's training may be queued behind this one's (its rows are prefetched):
+    the learner would then be past this step's weights at its boundary, so not where the boundary
+    reads them from the learner (a checkpoint, an attached evaluation due, a stop asked for) or the
+    next step restarts the policy, and not under async (its producer owns the rows)."""
+    every, step = run.cfg.trainer.checkpoint_every, run.step + 1
+    return not (
+        isinstance(run.rollouts, AsyncRollouts)
+        or isinstance(run.algorithm, RestartsPolicy)
+        or (every and step % every == 0)
+        or (run.attached is not None and run.attached.due(step))
+        or run.stop.signum is not None
+    )
+
+
+def queue_next(run, version: int) -> QueuedStep:
+    """The next step's prefetched rows, prepared and sent to the learner now: it starts them as
+    soon as this step's training ends, with no wait on the controller in between (no train call
+    when the algorithm gives no batch: the next step then makes no update, as it would anyway)."""
+    table = run.rollouts.take()
+    batches, metrics = prepare(run, table)
+    training = run.learner_group.train(batches, version, run.weights, run.step + 2) if batches else {}
+    run.learner_group.step = run.step + 1  # a rank's death while this step trains is still this step's
+    return QueuedStep(table, batches, metrics, training)
 
 
 def staleness_metrics(staleness: np.ndarray) -> dict[str, float]:

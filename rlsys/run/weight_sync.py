@@ -33,7 +33,8 @@ class WeightSync(Protocol):
     version: int  # the policy version the workers were last sent
     sends_with_step: bool  # the sync may be sent before the step's training finished
 
-    def train_slot(self, policy: str, version: int) -> int | None: ...  # where a step writes its weights
+    # where a step writes its weights, and the workers' loads it waits for before it writes (None: nowhere)
+    def train_slot(self, policy: str, version: int) -> tuple[int, list] | None: ...
     def send(self, version: int, training: dict[str, list] | None = None) -> None: ...
     def settle(self) -> None: ...  # wait for the last send; its errors surface here
     def readmit(self, policy: str, worker) -> None: ...  # a restarted worker gets the current weights
@@ -270,13 +271,14 @@ class SharedMemorySync:
         by_object_store = {name: p for name, p in policies.items() if p.shared is None}
         self.sends_with_step = not bucket_policies(by_object_store, bucket_mb, from_learners)
 
-    def train_slot(self, policy: str, version: int) -> int | None:
-        """The slot a step writes `version` into; the sync sent before (the workers' loads of the
-        slot this one overwrites) is awaited first."""
+    def train_slot(self, policy: str, version: int) -> tuple[int, list] | None:
+        """The slot a step writes `version` into, and the workers' loads of the sync in flight (of
+        version - 1, which moves them off the slot's version - 2): the learner waits for them before
+        it writes, not the controller before it sends the step, so a step's training can be queued
+        behind the one before (trainer.mode overlap). Their errors surface in the next `settle`."""
         if self.policies[policy].shared is None:
             return None
-        self.settle()
-        return version % SLOTS
+        return version % SLOTS, list(self.in_flight.acks) if self.in_flight is not None else []
 
     def send(self, version: int, training: dict[str, list] | None = None) -> None:
         """`training`: per policy, this step's train calls (they may still run: a worker's load of

@@ -64,3 +64,19 @@ def test_a_sync_in_buckets_trains_the_same_run_as_one_object(ray_cluster, tmp_pa
     buckets = run_once(tmp_path, "buckets", [*shape, "trainer.sync_bucket_mb=0.02"])
     assert max(float(np.abs(whole[0][k] - buckets[0][k]).max()) for k in whole[0]) == 0.0
     assert whole[1] == buckets[1] and whole[2] == buckets[2] and whole[3] == buckets[3]
+
+
+def test_an_overlapped_run_trains_the_same_with_each_next_step_queued_behind_the_last(ray_cluster, tmp_path):
+    """Under trainer.mode overlap the next step's rows are prepared and sent to the learner behind
+    the step in training (no wait on the controller between two steps); a checkpoint at every step
+    turns that off (the learner must be at the step it saves). Both train the same run, bit for bit."""
+    shape = SHAPES["overlap"]
+    queued = run_once(tmp_path, "queued", shape)
+    stepwise = run_once(tmp_path, "stepwise", [*shape, "trainer.checkpoint_every=1"])
+    assert max(float(np.abs(queued[0][k] - stepwise[0][k]).max()) for k in queued[0]) == 0.0
+    assert queued[1] == stepwise[1] and queued[2] == stepwise[2] and queued[3] == stepwise[3]
+    flags = {
+        name: [r["perf/next_step_queued"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
+        for name in ("queued", "stepwise")
+    }
+    assert flags == {"queued": [1.0, 1.0, 0.0], "stepwise": [0.0, 0.0, 0.0]}  # the last step has no next

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 from fakes import TINY_JOB
 from test_resume import rlsys
 
@@ -40,7 +41,9 @@ def wait_for_steps(run, run_dir, steps: int):
 
 
 def test_sigterm_checkpoints_the_step_in_flight_and_resume_goes_on(tmp_path):
-    run = start(tmp_path, "preempted")
+    """Under trainer.mode overlap, where the next step may already be training behind the one in
+    flight: the run stops after that one too, and the checkpoint's learner is at its step."""
+    run = start(tmp_path, "preempted", "trainer.mode=overlap", "buffer.max_staleness=1")
     wait_for_steps(run, tmp_path / "preempted", 2)
     os.kill(run.pid, signal.SIGTERM)
     _, err = run.communicate(timeout=300)
@@ -54,6 +57,11 @@ def test_sigterm_checkpoints_the_step_in_flight_and_resume_goes_on(tmp_path):
     assert found[2] == str(run_dir / "checkpoints" / f"step_{step}") and found[3] == str(run_dir)
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, step + 1))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+    saved = torch.load(
+        run_dir / "checkpoints" / f"step_{step}" / "learner" / "learner" / "mp_rank_00_model_states.pt",
+        weights_only=False,
+    )
+    assert saved["global_steps"] == step  # one optimizer step a trainer step: none of a step after it
     assert "Traceback" not in err and "SIGTERM received" not in err  # no stack dump, Ray's or Python's
 
     resumed = rlsys("resume", str(run_dir), f"trainer.steps={step + 1}", "--no-progress")
