@@ -290,6 +290,13 @@ class Controller:
         """One policy update (sample -> prepare -> train -> sync): the step's metrics."""
         return loop.update(self)[0]
 
+    def settle_queued(self) -> None:
+        """Wait until the step queued behind the last one (trainer.mode overlap) has trained, without
+        taking it: a caller timing steps waits for it, as the run's next step would."""
+        if self.queued is not None:
+            refs = [ref for refs in self.queued.training.values() for ref in refs]
+            ray.wait(refs, num_returns=len(refs))
+
     def sync_weights(self, version: int, training: dict[str, list] | None = None) -> None:
         """The learners' weights at `version` toward every rollout worker, by the run's strategy;
         `training`: per policy, this step's train calls (a shared-memory load waits on them)."""
