@@ -4,7 +4,9 @@ across batches) with 2 rollout workers and 1 learner, from the same warmed-up po
 the same number of steps (equal samples) and seeds, interleaved mode by mode within a seed so the
 machine's drift hits all of them. Prints one markdown table (also OUT/async.md; the rows in
 OUT/async.jsonl): training samples/s and its ratio to sync, held-out greedy accuracy after the
-steps, the rows' staleness and the batches dropped.
+steps, the rows' staleness and the batches dropped, and the CPU time the machine spent (busy cores,
+CPU ms a sample); under the table, the work ceiling: the samples/s that the least CPU time a
+sample of any mode allows on this machine's cores, against the best sync mode.
 
     .venv/bin/python benchmarks/async.py   # sync (1-, 2-thread, 2-rank learner), overlap, async k = 1 2 4, ...
     .venv/bin/python benchmarks/async.py --steps 6 --seeds 0 --warm runs/reasoning/policy_init
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -79,17 +82,34 @@ def reasoning_bench():
     return module
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system) used so far by this process and every process under it: the driver
+    and the local Ray cluster it started (raylet, GCS, the actors' workers). A process that ends
+    between two readings drops out of the second (its time is then not counted)."""
+    import psutil
+
+    me, total = psutil.Process(), 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict:
     """`steps` training steps of one mode and seed; their wall time (the first rollout included:
-    a pipeline's fill is part of its cost), then the held-out greedy accuracy."""
+    a pipeline's fill is part of its cost) and the CPU time the machine's processes spent in them,
+    then the held-out greedy accuracy."""
     settings = [*overrides, *MODES[mode], f"trainer.steps={steps}", "trainer.eval_every=0", "rollout.num_workers=2"]
     c = bench.start_method(config, settings, "grpo", seed, warm_dir, out / "".join(ch for ch in mode if ch.isalnum()))
     rows = []
     try:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         for _ in range(steps):
             rows.append(c.train_step())
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
         accuracy = c.evaluate(greedy=True)["accuracy"]
     finally:
         c.shutdown()
@@ -101,6 +121,8 @@ def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict
         "samples": samples,
         "wall_s": wall,
         "samples_per_s": samples / wall,
+        "cpu_s": cpu,
+        "busy_cores": cpu / wall,  # the cores' time the run kept busy, averaged over its wall time
         "heldout_greedy": accuracy,
         "train_reward_last_half": float(np.mean([r["reward/mean"] for r in rows[steps // 2 :]])),
         "response_length": float(np.mean([r["response_length"] for r in rows])),
@@ -115,6 +137,26 @@ def run_mode(bench, config, overrides, mode, seed, warm_dir, out, steps) -> dict
     }
 
 
+def work_ceiling(results: list[dict], cores: int) -> str:
+    """What any schedule could make of the work: the least CPU time a sample of any mode took
+    (the machine's processes' user + system time over the run's samples) bounds the samples/s of
+    `cores` cores kept busy with nothing but that work; against the best sync mode's samples/s."""
+    modes = {r["mode"] for r in results}
+    per_sample = {m: np.mean([r["cpu_s"] / r["samples"] for r in results if r["mode"] == m]) for m in modes}
+    speed = {m: np.mean([r["samples_per_s"] for r in results if r["mode"] == m]) for m in modes}
+    least = min(per_sample, key=per_sample.get)
+    ceiling = cores / per_sample[least]
+    synced = [m for m in modes if m.startswith("sync")]
+    line = (
+        f"Work ceiling: the least CPU time a sample took is {per_sample[least] * 1e3:.1f} ms ({least}); "
+        f"{cores} cores busy with nothing else make at most {ceiling:.1f} samples/s of that work"
+    )
+    if synced:
+        best = max(synced, key=speed.get)
+        line += f", {ceiling / speed[best]:.2f}x the best sync ({best}, {speed[best]:.1f})"
+    return line + "."
+
+
 def table(results: list[dict]) -> str:
     """One row per mode: means over seeds (and the range of samples/s)."""
     synced = [r["samples_per_s"] for r in results if r["mode"] == "sync"]
@@ -122,8 +164,8 @@ def table(results: list[dict]) -> str:
     lines = [
         "| mode | samples/s (range) | vs sync | held-out greedy | train reward (2nd half) "
         "| response tokens mean / max | staleness mean / max | rows of 2+ versions | batches dropped "
-        "| s a step: generate / train | wall s | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| s a step: generate / train | busy cores | CPU ms / sample | wall s | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
         rs = [r for r in results if r["mode"] == mode]
@@ -139,6 +181,7 @@ def table(results: list[dict]) -> str:
             f"| {mean('response_length'):.0f} / {longest:.0f} "
             f"| {mean('staleness_mean'):.2f} / {max(r['staleness_max'] for r in rs):.0f} | {mean('mixed_rows'):.2f} "
             f"| {sum(r['dropped_batches'] for r in rs):.0f} | {mean('generate_s'):.2f} / {mean('train_s'):.2f} "
+            f"| {mean('busy_cores'):.2f} | {1e3 * mean('cpu_s') / mean('samples'):.1f} "
             f"| {mean('wall_s'):.0f} | {len(rs)} |"
         )
     return "\n".join(lines)
@@ -170,7 +213,7 @@ def main(argv: list[str]) -> None:
                 log.flush()
                 speed, greedy = r["samples_per_s"], r["heldout_greedy"]
                 print(f"  {mode} s{seed}: {speed:.1f} samples/s, greedy {greedy:.3f}", flush=True)
-    text = table(results)
+    text = table(results) + "\n\n" + work_ceiling(results, os.cpu_count())
     (args.out / "async.md").write_text(text + "\n")
     print(text)
 
