@@ -802,9 +802,9 @@ class Bench:
         core to generation and to training in turn (`whole_machine`); with overlap (both busy at
         once) its one rollout worker and its learner have a thread each. The runs alternate step
         by step; samples/s is the median step's, the first step of each left out. The overlapped
-        run goes in blocks of OVERLAP_BLOCK steps back to back (each step queues the next one's
-        training behind its own), a block timed until the step queued behind its last has trained,
-        its samples/s the median block's (the first block left out). Reward after the
+        run goes in blocks of OVERLAP_BLOCK steps back to back (each step but a block's last queues
+        the next one's training behind its own), its samples/s the median block's (the first block
+        left out). Reward after the
         same samples: the mean train reward, and each final policy's greedy held-out accuracy.
         Returns rlsys's per-phase split of the timed steps."""
         import ray
@@ -899,14 +899,13 @@ class Bench:
                     if key.startswith("time/") and key != "time/step":
                         phases[key[5:]] = phases.get(key[5:], 0.0) + v
                 # the overlapped run in blocks of steps back to back: each step queues the next one's
-                # training behind its own, so a block is timed until the step queued behind its last
-                # has trained (the next block's first rollout then runs beside no training: a cost)
+                # training behind its own, but a block's last step does not (nothing of the run works
+                # on between blocks; its controller round trip is then the block's cost)
                 if len(theirs) - len(over_rewards) >= block or len(theirs) == steps:
                     todo, start = len(theirs) - len(over_rewards), time.perf_counter()
-                    for _ in range(todo):
-                        over_rewards.append(over.train_step()["reward/mean"])
+                    for i in range(todo):
+                        over_rewards.append(over.train_step(queue_next=i < todo - 1)["reward/mean"])
                     over.ctx.settle_sync()
-                    over.settle_queued()
                     overlapped.append((time.perf_counter() - start) / todo)
                 start = time.perf_counter()
                 m = ranks.train_step()

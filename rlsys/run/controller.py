@@ -286,16 +286,11 @@ class Controller:
         return Prompt(uid, ids, text, row)
 
     # ---- what the loop calls ------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
-        """One policy update (sample -> prepare -> train -> sync): the step's metrics."""
-        return loop.update(self)[0]
-
-    def settle_queued(self) -> None:
-        """Wait until the step queued behind the last one (trainer.mode overlap) has trained, without
-        taking it: a caller timing steps waits for it, as the run's next step would."""
-        if self.queued is not None:
-            refs = [ref for refs in self.queued.training.values() for ref in refs]
-            ray.wait(refs, num_returns=len(refs))
+    def train_step(self, queue_next: bool = True) -> dict[str, float]:
+        """One policy update (sample -> prepare -> train -> sync): the step's metrics. `queue_next`
+        False: the next step is not queued behind this one (trainer.mode overlap), so nothing of the
+        run is left working when it returns (a caller timing blocks of steps ends a block so)."""
+        return loop.update(self, queue_next)[0]
 
     def sync_weights(self, version: int, training: dict[str, list] | None = None) -> None:
         """The learners' weights at `version` toward every rollout worker, by the run's strategy;

@@ -75,9 +75,10 @@ class QueuedStep:
     training: dict[str, list]
 
 
-def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
+def update(run, queue_next: bool = True) -> tuple[dict[str, float], pa.Table, np.ndarray]:
     """One policy update: sample -> prepare -> train -> sync. Returns the step's metrics, its rows
-    and each of their tokens' staleness (policy versions behind the learner)."""
+    and each of their tokens' staleness (policy versions behind the learner). `queue_next` False:
+    the next step is not queued behind this one (see `may_queue_next`)."""
     ctx, version = run.ctx, run.ctx.policy_version + 1
     ctx.reset_timings()
     start, tokens_before = time.perf_counter(), ctx.tokens_generated
@@ -108,11 +109,11 @@ def update(run) -> tuple[dict[str, float], pa.Table, np.ndarray]:
         # learner, not on us); under overlap and async, once trained (rows are sampled meanwhile),
         # or under overlap before the next step's training, queued behind this one's
         prefetched = run.rollouts.prefetch(run.step)
-        sent_early = (not prefetched or may_queue_next(run)) and run.weights.sends_with_step
+        sent_early = (not prefetched or (queue_next and may_queue_next(run))) and run.weights.sends_with_step
         if sent_early:
             run.sync_weights(version, training)
         if sent_early and prefetched:
-            run.queued = queue_next(run, version + 1)
+            run.queued = queue_next_step(run, version + 1)
         with ctx.timed("train"):
             metrics |= run.learner_group.wait(training)
         if not sent_early:
@@ -156,7 +157,7 @@ def may_queue_next(run) -> bool:
     )
 
 
-def queue_next(run, version: int) -> QueuedStep:
+def queue_next_step(run, version: int) -> QueuedStep:
     """The next step's prefetched rows, prepared and sent to the learner now: it starts them as
     soon as this step's training ends, with no wait on the controller in between (no train call
     when the algorithm gives no batch: the next step then makes no update, as it would anyway)."""
