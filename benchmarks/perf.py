@@ -804,8 +804,8 @@ class Bench:
         by step; samples/s is the median step's, the first step of each left out. The overlapped
         run goes in blocks of OVERLAP_BLOCK steps back to back (each step but a block's last queues
         the next one's training behind its own), its samples/s the median block's (the first block
-        left out). Reward after the
-        same samples: the mean train reward, and each final policy's greedy held-out accuracy.
+        left out). Reward after the same samples: the mean train reward, and each final policy's
+        greedy held-out accuracy.
         Returns rlsys's per-phase split of the timed steps."""
         import ray
         import torch
